@@ -1,0 +1,330 @@
+"""The configuration schema: Hydra structured configs, one dataclass per group.
+
+YAML files under `configs/` hold presets only (model shapes); every key a user can override is a field
+here, with its meaning in the docstring line beneath it. `validate(cfg, world_size)` checks everything that
+can be checked before a process group or a model exists and raises `ConfigError` with one line that names
+the key as typed, the value, why it is wrong and a fix.
+
+Left out on purpose: context parallelism and expert parallelism (no config keys until they exist).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_PRESETS = ("tiny", "gpt2-124m", "gpt2-350m", "gpt-1.3b", "llama-7b", "llama-tiny")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; its message is one line: key, value, why, fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for logs and checkpoints."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means n_heads (plain multi-head attention)."""
+    d_model: int = 128
+    """Hidden size."""
+    ffn_hidden: Optional[int] = None
+    """MLP inner size; None means 4 * d_model."""
+    vocab_size: int = 8192
+    """Tokenizer vocabulary; the embedding is padded up to a multiple of `vocab_multiple` * tp."""
+    vocab_multiple: int = 64
+    """Embedding rows are padded to a multiple of this times tp (GEMM-friendly shapes); padded rows never get logits."""
+    seq_len: int = 128
+    """Training context length in tokens."""
+    norm: str = "layernorm"
+    """layernorm (GPT-2) or rmsnorm (Llama)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    activation: str = "gelu"
+    """gelu (GPT-2, tanh approximation) or swiglu (Llama)."""
+    position: str = "learned"
+    """learned absolute positions (GPT-2) or rope (Llama)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (position=rope only)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    bias: bool = True
+    """Biases in linears and norms (GPT-2 style); False for Llama style."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; residual output projections use init_std / sqrt(2 * n_layers)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (ranks sharing each layer's weights)."""
+    pp: int = 1
+    """Pipeline-parallel size (stages)."""
+    vpp: int = 1
+    """Virtual pipeline chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    sp: bool = False
+    """Sequence parallelism alongside tensor parallelism."""
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """DeepSpeed ZeRO stage: 0 (DDP-like), 1 (optimizer states), 2 (+gradients), 3 (+parameters)."""
+    offload_optimizer: str = "none"
+    """Where optimizer states live: none, cpu or nvme (needs stage >= 1)."""
+    offload_param: str = "none"
+    """Where parameters live between uses: none, cpu or nvme (needs stage 3)."""
+    nvme_path: str = "/tmp/megatron_lite_nvme"
+    """Directory used for nvme offload."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to train for."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks: micro * accumulation * dp."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    precision: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective or full."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    eval_interval: int = 0
+    """Validation loss every N steps on the held-out split (0 = never)."""
+    eval_iters: int = 4
+    """Micro-batches per validation pass."""
+    log_interval: int = 1
+    """Console progress-line update every N steps (metrics.jsonl always gets every step)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate reached after warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of decay."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr over this many steps."""
+    decay: str = "cosine"
+    """Decay after warmup until train.steps: cosine, linear or constant."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases, norms or embeddings' positions)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/shakespeare-8k"
+    """Directory written by tools/prepare_data.py (train.bin, val.bin, meta.json); relative to the repo."""
+    tokenizer: str = "assets/tokenizers/shakespeare-8k"
+    """Local HF tokenizer directory used by prepare_data (the prepared data records which one it used)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${run.dir}/checkpoints"
+    """Where step_<NNNNNNN>/ directories and the `latest` pointer live."""
+    interval: int = 100
+    """Save every N steps (0 = only at the end and on a stop signal)."""
+    keep: int = 3
+    """Complete checkpoints to keep (older ones are deleted after a new one commits); 0 keeps all."""
+    resume: str = "auto"
+    """auto (latest if present), never, or a path to a step_<N> directory."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Where this run writes metrics.jsonl, wandb files and (by default) checkpoints."""
+    name: Optional[str] = None
+    """Run name for wandb; defaults to the last part of run.dir."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"
+    """auto (online with WANDB_API_KEY, else offline), offline, online or disabled."""
+    project: str = "megatron_lite"
+    """wandb project name."""
+    entity: Optional[str] = None
+    """wandb entity (team); None uses the default."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"
+    """auto (Triton on CUDA, torch elsewhere), triton (TRITON_INTERPRET=1 on CPU) or torch."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    seed: int = 1234
+    """Seed of weights, data order and dropout."""
+
+
+def _fail(key: str, value, why: str, fix: str) -> None:
+    raise ConfigError(f"{key}={value} {why}; {fix}")
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        _fail(key, value, "is not a valid choice", f"use one of {', '.join(map(str, allowed))}")
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
+
+
+def repo_path(path: str) -> str:
+    """Resolve a data/tokenizer path: absolute as given, else relative to the repo root."""
+    return path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check cfg for this world size; raise ConfigError with a one-line explanation on the first problem."""
+    m, p, z, t, o = cfg.model, cfg.parallel, cfg.zero, cfg.train, cfg.optim
+
+    # --- model shape ---
+    for key in ("n_layers", "n_heads", "d_model", "vocab_size", "seq_len"):
+        if getattr(m, key) <= 0:
+            _fail(f"model.{key}", getattr(m, key), "must be positive", "pick a positive integer")
+    if m.d_model % m.n_heads:
+        _fail("model.n_heads", m.n_heads, f"must divide model.d_model={m.d_model}",
+              f"try {_divisors(m.d_model)}")
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}",
+              f"try {_divisors(m.n_heads)}")
+    if m.ffn_hidden is not None and m.ffn_hidden <= 0:
+        _fail("model.ffn_hidden", m.ffn_hidden, "must be positive", "pick a positive integer or null for 4*d_model")
+    _choice("model.norm", m.norm, ("layernorm", "rmsnorm"))
+    _choice("model.activation", m.activation, ("gelu", "swiglu"))
+    _choice("model.position", m.position, ("learned", "rope"))
+    if m.position == "rope" and m.head_dim % 2:
+        _fail("model.position", m.position, f"needs an even head dim, got {m.head_dim}",
+              "change model.d_model or model.n_heads")
+    if not 0.0 <= m.dropout < 1.0:
+        _fail("model.dropout", m.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
+
+    # --- parallel layout ---
+    for key in ("tp", "pp", "vpp"):
+        if getattr(p, key) < 1:
+            _fail(f"parallel.{key}", getattr(p, key), "must be >= 1", "use 1 to disable")
+    if world_size % (p.tp * p.pp):
+        _fail("parallel.tp", p.tp, f"times parallel.pp={p.pp} must divide the world size {world_size}",
+              f"pick tp*pp among {_divisors(world_size)}")
+    for key, val in (("model.n_heads", m.n_heads), ("model.ffn_hidden", m.ffn)):
+        if val % p.tp:
+            _fail("parallel.tp", p.tp, f"must divide {key}={val}", f"try {_divisors(val)}")
+    if p.tp > 1 or p.pp > 1 or p.vpp > 1 or p.sp:
+        _fail("parallel.tp" if p.tp > 1 else "parallel.pp" if p.pp > 1 else "parallel.vpp" if p.vpp > 1
+              else "parallel.sp", p.tp if p.tp > 1 else p.pp if p.pp > 1 else p.vpp if p.vpp > 1 else p.sp,
+              "is not available in this build yet (tensor/pipeline parallel land in later releases)",
+              "use data parallelism (more ranks) with zero.stage=1/2/3")
+    dp = world_size // (p.tp * p.pp)
+
+    # --- ZeRO ---
+    _choice("zero.stage", z.stage, (0, 1, 2, 3))
+    _choice("zero.offload_optimizer", z.offload_optimizer, ("none", "cpu", "nvme"))
+    _choice("zero.offload_param", z.offload_param, ("none", "cpu", "nvme"))
+    if z.offload_optimizer != "none" and z.stage == 0:
+        _fail("zero.offload_optimizer", z.offload_optimizer, "needs zero.stage >= 1",
+              "set zero.stage=1, 2 or 3")
+    if z.offload_param != "none" and z.stage != 3:
+        _fail("zero.offload_param", z.offload_param, f"needs zero.stage=3 (got {z.stage})",
+              "set zero.stage=3 or zero.offload_param=none")
+
+    # --- batch and steps ---
+    for key in ("steps", "global_batch_size", "micro_batch_size"):
+        if getattr(t, key) <= 0:
+            _fail(f"train.{key}", getattr(t, key), "must be positive", "pick a positive integer")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        _fail("train.global_batch_size", t.global_batch_size,
+              f"must be a multiple of train.micro_batch_size={t.micro_batch_size} x dp={dp}",
+              f"use {t.micro_batch_size * dp * max(1, t.global_batch_size // (t.micro_batch_size * dp))}"
+              " or change train.micro_batch_size")
+    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
+    _choice("train.recompute", t.recompute, ("none", "selective", "full"))
+    if t.recompute != "none":
+        _fail("train.recompute", t.recompute, "is not available in this build yet", "use train.recompute=none")
+    if t.grad_clip < 0:
+        _fail("train.grad_clip", t.grad_clip, "must be >= 0", "use 1.0, or 0 to disable clipping")
+    if t.eval_interval < 0 or t.eval_iters <= 0:
+        key, val = ("train.eval_interval", t.eval_interval) if t.eval_interval < 0 else ("train.eval_iters", t.eval_iters)
+        _fail(key, val, "is out of range", "eval_interval >= 0 (0 = never), eval_iters >= 1")
+    if t.log_interval <= 0:
+        _fail("train.log_interval", t.log_interval, "must be positive", "use 1")
+
+    # --- optimizer ---
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        _fail("optim.lr", o.lr, "must be a positive number", "use e.g. 3e-4")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        _fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]", "use e.g. optim.lr / 10")
+    if o.warmup_steps < 0:
+        _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0", "use e.g. 1% of train.steps")
+    _choice("optim.decay", o.decay, ("cosine", "linear", "constant"))
+    if o.weight_decay < 0:
+        _fail("optim.weight_decay", o.weight_decay, "must be >= 0", "use e.g. 0.1")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        _fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)", "use [0.9,0.95]")
+
+    # --- data, checkpoints, logging ---
+    data_dir = repo_path(cfg.data.path)
+    if not os.path.exists(os.path.join(data_dir, "meta.json")):
+        _fail("data.path", cfg.data.path, "has no prepared data (meta.json missing)",
+              f"run `python tools/prepare_data.py --out {cfg.data.path}` or `make data`")
+    if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0:
+        key = "checkpoint.interval" if cfg.checkpoint.interval < 0 else "checkpoint.keep"
+        _fail(key, getattr(cfg.checkpoint, key.split(".")[1]), "must be >= 0", "use 0 to disable")
+    r = cfg.checkpoint.resume
+    if r not in ("auto", "never") and not os.path.isfile(os.path.join(r, "meta.json")):
+        _fail("checkpoint.resume", r, "is not a complete checkpoint directory (no meta.json)",
+              "use auto, never, or a path to a step_<N> directory")
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("auto", "offline", "online", "disabled"))
+    _choice("kernels.backend", cfg.kernels.backend, ("auto", "triton", "torch"))
+    if cfg.kernels.backend == "triton":
+        _fail("kernels.backend", "triton", "is not available in this build yet", "use kernels.backend=torch or auto")

@@ -1,0 +1,175 @@
+"""A decoder-only GPT in two flavours, chosen by ModelConfig fields, written as single-device code.
+
+GPT-2 style: LayerNorm, GeLU (tanh), learned positions, biases, tied embeddings.
+Llama style: RMSNorm, SwiGLU, RoPE (rotate-half convention, as HF Llama), no biases, GQA via n_kv_heads.
+
+Every projection is an `nn.Linear` with a stable name (`attn.qkv`, `attn.proj`, `mlp.fc_in`, `mlp.fc_out`)
+so that a table-driven parallelize step can swap them for tensor-parallel layers without touching this file.
+Fused layouts, which sharding must respect:
+  attn.qkv.weight rows = [q (n_heads*hd) | k (n_kv*hd) | v (n_kv*hd)]
+  mlp.fc_in.weight rows = [gate (ffn) | up (ffn)] for SwiGLU, [fc (ffn)] for GeLU
+The embedding has `padded_vocab` rows (a GEMM-friendly multiple); logits are computed for the true
+vocabulary only, so padded rows never receive probability mass.
+
+Left out on purpose: KV cache / generation, attention masks other than causal, MoE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_lite.config import ModelConfig
+
+
+def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
+    multiple = cfg.vocab_multiple * tp
+    return math.ceil(cfg.vocab_size / multiple) * multiple
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim), halves repeated (HF Llama's rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)  # (s, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (s, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.rope = cfg.position == "rope"
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # The local head counts follow the weight shape, so a tensor-parallel shard runs this code unchanged.
+        kv_dim = self.qkv.weight.shape[0] * self.n_kv_heads // (self.n_heads + 2 * self.n_kv_heads)
+        q, k, v = self.qkv(x).split([self.qkv.weight.shape[0] - 2 * kv_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, heads, s, hd)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, hd)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # (b, heads, s, hd)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        self.fc_in = nn.Linear(cfg.d_model, cfg.ffn * (2 if self.swiglu else 1), bias=cfg.bias)
+        self.fc_out = nn.Linear(cfg.ffn, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc_in(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc_out(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1, self.attn = make_norm(cfg), Attention(cfg)
+        self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), rope))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: int = 1):
+        super().__init__()
+        self.cfg = cfg
+        self.padded_vocab = padded_vocab_size(cfg, tp)
+        self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, self.padded_vocab, bias=False)
+        if cfg.position == "rope":
+            cos, sin = rope_cos_sin(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, std) everywhere, residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:  # norm weights are ones, biases zeros
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith(("attn.proj.weight", "mlp.fc_out.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                p.normal_(0.0, std)
+
+    def head_weight(self) -> torch.Tensor:
+        """Output projection rows of the true vocabulary (a view; padded rows are never scored)."""
+        w = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return w[: self.cfg.vocab_size]
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> final-normed hidden states (b, s, h)."""
+        s = tokens.shape[1]
+        x = self.wte(tokens)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(s, device=tokens.device))
+        else:
+            rope = (self.rope_cos[:s], self.rope_sin[:s])
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.norm_f(x)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, s, vocab) without labels; mean next-token cross entropy (fp32) with labels."""
+        logits = F.linear(self.hidden_states(tokens), self.head_weight())
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
