@@ -1,0 +1,45 @@
+# megatron_lite: `make train` and `make test` work on a fresh machine (they install what is missing).
+# The virtual environment lives in .venv/. It sees system site-packages so that an already-installed torch
+# (e.g. a cluster's CUDA build) is kept; if there is none, we install the CPU build on machines without a
+# GPU (torch==2.13.0 is a local wheel there) and the default CUDA build otherwise.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install data train test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || { \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	  else $(PY) -m pip install -q torch==2.13.0; fi; }
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+data: install data/shakespeare-8k/meta.json data/shakespeare-gpt2/meta.json
+
+data/shakespeare-8k/meta.json:
+	$(PY) tools/prepare_data.py --tokenizer assets/tokenizers/shakespeare-8k --out data/shakespeare-8k
+
+data/shakespeare-gpt2/meta.json:
+	$(PY) tools/prepare_data.py --tokenizer assets/tokenizers/gpt2 --out data/shakespeare-gpt2
+
+train: data
+	$(PY) train.py $(ARGS)
+
+test: data
+	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: data
+	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
+
+bench: data
+	$(PY) tools/bench_throughput.py $(ARGS)
+
+clean:
+	rm -rf runs outputs .pytest_cache

@@ -1,0 +1,221 @@
+"""Checkpoints: every rank writes its shards, rank 0 commits, `latest` only ever names a complete one.
+
+Layout (DESIGN §1):
+  ${checkpoint.dir}/step_<NNNNNNN>/   DeepSpeed's files (mp_rank_*_model_states.pt, *_optim_states.pt),
+                                      rng_rank<R>.pt per rank, and meta.json written last by rank 0
+  ${checkpoint.dir}/latest            the newest complete step directory's name, replaced atomically
+
+Commit protocol: (1) every rank writes; (2) barrier; (3) rank 0 writes meta.json (tmp + rename) and then
+`latest` (tmp + rename); (4) rank 0 prunes to `keep`. A directory without meta.json is never loaded, so a rank
+killed mid-write leaves `latest` on the previous checkpoint.
+
+Elastic resume: when the checkpoint's DP size or ZeRO stage differs from the current job's, rank 0 converts
+it once into DeepSpeed's universal (layout-free) format beside the shards, and every rank loads that.
+
+Weights-only checkpoints (`meta["kind"] == "weights"`, a single model.pt) come from tools/convert_hf.py;
+a run that resumes from one starts at its step with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import json
+import os
+import pickle
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import ModelConfig
+
+LATEST = "latest"
+META = "meta.json"
+UNIVERSAL = "universal"  # sub-directory holding the DP-independent conversion
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as f:
+        return json.load(f)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The step directory `latest` names, if it is complete; None when there is none."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            path = os.path.join(root, f.read().strip())
+    except FileNotFoundError:
+        return None
+    return path if os.path.isfile(os.path.join(path, META)) else None
+
+
+def resolve_resume(resume: str, root: str) -> str | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(root)
+    return resume
+
+
+# --- RNG streams ------------------------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _encode(obj: Any) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _decode(text: str) -> Any:
+    return pickle.loads(base64.b64decode(text))
+
+
+# --- save / load with a DeepSpeed engine ------------------------------------------------------------------
+
+def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
+    """Collective: every rank writes its shards, rank 0 commits. Returns the step directory."""
+    tag = step_name(step)
+    path = os.path.join(root, tag)
+    if ctx.is_first:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(path):  # leftovers of an interrupted write of this very step: never committed
+            shutil.rmtree(path)
+    dist.barrier()
+    engine.save(root, tag)
+    torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
+    dist.barrier()  # every rank's files are on disk
+    if ctx.is_first:
+        meta = dict(meta, step=step, kind="deepspeed", rng_rank0=_encode(rng_state()))
+        _atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+        _atomic_write(os.path.join(root, LATEST), tag)
+        prune(root, keep)
+    dist.barrier()
+    return path
+
+
+def prune(root: str, keep: int) -> None:
+    """Delete complete checkpoints beyond the newest `keep`, and incomplete ones older than the newest."""
+    if keep <= 0:
+        return
+    steps = sorted(glob.glob(os.path.join(root, "step_" + "[0-9]" * 7)))
+    complete = [p for p in steps if os.path.isfile(os.path.join(p, META))]
+    doomed = set(complete[:-keep])
+    if complete:
+        doomed |= {p for p in steps if p not in complete and p < complete[-1]}
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def needs_universal(meta: dict, dp_size: int, zero_stage: int) -> bool:
+    """A ZeRO checkpoint must go through the universal format when the DP size or stage changes."""
+    layout = meta["layout"]
+    return layout["zero_stage"] > 0 and (layout["dp"] != dp_size or layout["zero_stage"] != zero_stage)
+
+
+def prepare_universal(path: str, ctx) -> None:
+    """Rank 0 converts `path` into path/universal once (atomically); everyone waits for it."""
+    target = os.path.join(path, UNIVERSAL)
+    if ctx.is_first and not os.path.isfile(os.path.join(target, "done")):
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        tmp = target + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)
+        ds_to_universal(argparse.Namespace(
+            input_folder=path, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
+            keep_temp_folder=False, strict=True, inject_missing_state=False,
+        ))
+        open(os.path.join(tmp, "done"), "w").close()
+        os.replace(tmp, target)
+    dist.barrier()
+
+
+def load(engine, ctx, path: str, zero_stage: int) -> dict:
+    """Collective: load `path` into the engine, restore this rank's RNG streams; return meta."""
+    meta = read_meta(path)
+    if needs_universal(meta, ctx.dp_size, zero_stage):
+        prepare_universal(path, ctx)
+        engine.load(path, UNIVERSAL)
+    else:
+        engine.load(os.path.dirname(path), os.path.basename(path))
+    # Same world: each rank continues its own streams. Resized world: ranks fall back to rank 0's streams
+    # (dropout masks then differ from an uninterrupted run, which cannot be avoided when ranks change).
+    own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
+    if meta["layout"]["world_size"] == ctx.world_size and os.path.isfile(own):
+        set_rng_state(torch.load(own, weights_only=False))
+    else:
+        set_rng_state(_decode(meta["rng_rank0"]))
+    return meta
+
+
+# --- weights only (HF import/export, evaluation) ----------------------------------------------------------
+
+def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0) -> str:
+    """Write a committed weights-only checkpoint (one process, no DeepSpeed); returns its directory."""
+    from dataclasses import asdict
+
+    tag = step_name(step)
+    path = os.path.join(ckpt_root, tag)
+    os.makedirs(path, exist_ok=True)
+    torch.save({k: v.detach().cpu().float().contiguous() for k, v in state_dict.items()},
+               os.path.join(path, "model.pt"))
+    meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg)}
+    _atomic_write(os.path.join(path, META), json.dumps(meta, indent=1))
+    _atomic_write(os.path.join(ckpt_root, LATEST), tag)
+    return path
+
+
+def _model_cfg_from_meta(meta: dict) -> ModelConfig:
+    fields = meta["model"] if meta["kind"] == "weights" else meta["config"]["model"]
+    return ModelConfig(**fields)
+
+
+def load_model_state(path: str) -> tuple[ModelConfig, dict]:
+    """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
+    if os.path.isfile(os.path.join(path, LATEST)):
+        resolved = latest_checkpoint(path)
+        if resolved is None:
+            raise FileNotFoundError(f"{path}/latest names no complete checkpoint")
+        path = resolved
+    meta = read_meta(path)
+    model_cfg = _model_cfg_from_meta(meta)
+    if meta["kind"] == "weights":
+        return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True)
+    if meta["layout"]["zero_stage"] == 0:
+        files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
+    return model_cfg, {k: v.float() for k, v in state.items()}

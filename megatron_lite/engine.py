@@ -1,0 +1,189 @@
+"""The DeepSpeed engine: config translation, initialisation with our mpu view, and the step glue.
+
+DeepSpeed owns the optimizer (AdamW), ZeRO partitioning (stages 0-3), CPU/NVMe offload, mixed precision,
+gradient accumulation and clipping. We own the learning-rate schedule (a pure function of the step, so a
+resume needs no scheduler state) and the micro-batch loop.
+
+Left out on purpose: fp16 with loss scaling (bf16 covers every GPU this targets), DeepSpeed's own
+PipelineEngine (our pipeline runs chunks through this engine instead).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.parallel.context import ParallelContext
+
+
+def resolve_precision(cfg: Config) -> str:
+    if cfg.train.precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    return cfg.train.precision
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr at train.steps."""
+    o, total = cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    if o.decay == "constant" or total <= o.warmup_steps:
+        return o.lr
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * progress)) if o.decay == "cosine" else 1.0 - progress
+    return o.min_lr + (o.lr - o.min_lr) * factor
+
+
+def _offload(device: str, nvme_path: str, pin: bool) -> dict:
+    out = {"device": device, "pin_memory": pin}
+    if device == "nvme":
+        out["nvme_path"] = nvme_path
+    return out
+
+
+def deepspeed_config(cfg: Config, dp_size: int, checkpoint_dp_size: int | None = None) -> dict:
+    """Translate our config into DeepSpeed's JSON config.
+
+    checkpoint_dp_size: the DP size of the checkpoint about to be loaded; when it differs from dp_size the
+    engine is told to load DeepSpeed's universal (layout-free) format, which the checkpoint module prepares.
+    """
+    t, z, o = cfg.train, cfg.zero, cfg.optim
+    accum = t.global_batch_size // (t.micro_batch_size * dp_size)
+    precision = resolve_precision(cfg)
+    offload_opt = z.offload_optimizer != "none"
+    zero: dict = {"stage": z.stage}
+    if z.stage > 0:
+        pin = torch.cuda.is_available()
+        zero.update(
+            contiguous_gradients=True,
+            overlap_comm=torch.cuda.is_available(),
+            reduce_bucket_size=int(5e7),
+            allgather_bucket_size=int(5e7),
+        )
+        if offload_opt:
+            zero["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path, pin)
+        if z.offload_param != "none":
+            zero["offload_param"] = _offload(z.offload_param, z.nvme_path, pin)
+    ds = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                # torch's AdamW on the device; DeepSpeed's CPU Adam when the optimizer is offloaded.
+                "torch_adam": not offload_opt,
+            },
+        },
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if checkpoint_dp_size is not None and checkpoint_dp_size != dp_size:
+        ds["checkpoint"] = {"load_universal": True}
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices (weights, embeddings), not vectors (biases, norm gains)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_offload_support(cfg: Config) -> None:
+    """NVMe offload needs DeepSpeed's async-io op; say so before any process group starts."""
+    z = cfg.zero
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            key = "zero.offload_optimizer" if z.offload_optimizer == "nvme" else "zero.offload_param"
+            raise ConfigError(f"{key}=nvme needs DeepSpeed's async_io op, which cannot build here (libaio missing); "
+                              "install libaio-dev (apt) or use cpu offload")
+
+
+class Engine:
+    """One model replica's DeepSpeed engine plus the train/eval micro-batch loops."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext,
+                 checkpoint_dp_size: int | None = None):
+        import deepspeed
+
+        self.cfg, self.ctx = cfg, ctx
+        self.ds_config = deepspeed_config(cfg, ctx.dp_size, checkpoint_dp_size)
+        self.accum = self.ds_config["gradient_accumulation_steps"]
+        self.module, _, _, _ = deepspeed.initialize(
+            model=model.to(ctx.device),
+            model_parameters=param_groups(model, cfg.optim.weight_decay),
+            config=self.ds_config,
+            mpu=ctx.mpu(),
+            dist_init_required=False,
+        )
+        self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+        self._plain_optimizer = cfg.zero.stage == 0 and self.dtype == torch.float32
+
+    @property
+    def optimizer(self):
+        return self.module.optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, float]:
+        """Forward/backward every micro-batch, then one optimizer step. Returns (local mean loss, grad norm)."""
+        assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
+        self.module.train()
+        self.set_lr(lr)
+        total = torch.zeros((), device=self.ctx.device)
+        grad_norm = None
+        for i, batch in enumerate(micro_batches):
+            batch = batch.to(self.ctx.device, non_blocking=True)
+            loss = self.module(batch[:, :-1], batch[:, 1:])
+            self.module.backward(loss)  # DeepSpeed scales by 1/accum and reduces over DP at the boundary
+            if i == self.accum - 1 and self._plain_optimizer:
+                grad_norm = self._reduced_grad_norm()
+            self.module.step()          # a no-op until the accumulation boundary
+            total += loss.detach().float()
+        if grad_norm is None:
+            grad_norm = self.module.get_global_grad_norm()
+        return total / self.accum, float(grad_norm)
+
+    def _reduced_grad_norm(self) -> float:
+        """DeepSpeed records the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 fp32 we compute the
+        same quantity ourselves, after DeepSpeed's DP all-reduce and before its clipping."""
+        from deepspeed.runtime.utils import get_global_norm_of_tensors
+
+        grads = [p.grad for p in self.module.module.parameters() if p.grad is not None]
+        return float(get_global_norm_of_tensors(grads, mpu=self.ctx.mpu()))
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        self.module.eval()
+        total = torch.zeros((), device=self.ctx.device)
+        for batch in micro_batches:
+            batch = batch.to(self.ctx.device)
+            total += self.module(batch[:, :-1], batch[:, 1:]).float()
+        self.module.train()
+        return total / len(micro_batches)
+
+    def save(self, root: str, tag: str) -> None:
+        """Every rank writes its own shards into root/tag (DeepSpeed's layout); no `latest` is touched."""
+        self.module.save_checkpoint(root, tag=tag, save_latest=False)
+
+    def load(self, root: str, tag: str) -> None:
+        path, _ = self.module.load_checkpoint(root, tag=tag, load_module_strict=True,
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
+
+    def close(self) -> None:
+        self.module.destroy()

@@ -1,0 +1,31 @@
+"""Runs several training configs in one torchrun world (process groups are reused between them).
+
+argv[1]: a JSON file holding {"runs": [[override, ...], ...], "out": path}. Rank 0 writes, per run, the
+per-step losses and the final summary to `out` as JSON.
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from megatron_lite.cli import load
+from megatron_lite.training import run
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = []
+    for overrides in spec["runs"]:
+        summary = run(load(overrides))
+        results.append({"overrides": overrides, **summary})
+    if dist.get_rank() == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

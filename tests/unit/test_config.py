@@ -1,0 +1,74 @@
+"""Bad configuration fails before any process group exists, with one line: key, value, why, fix."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lite.cli import compose_config, load
+from megatron_lite.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    (tmp_path / "meta.json").write_text("{}")
+    return str(tmp_path)
+
+
+# (overrides, world size, text the one-line message must contain)
+BAD = [
+    (["zero.stage=4"], 1, "zero.stage=4"),
+    (["zero.stage=2", "zero.offload_param=cpu"], 1, "zero.offload_param=cpu needs zero.stage=3"),
+    (["zero.offload_optimizer=cpu"], 1, "zero.offload_optimizer=cpu needs zero.stage >= 1"),
+    (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size=12"),
+    (["train.global_batch_size=16", "train.micro_batch_size=8"], 4, "x dp=4"),
+    (["parallel.tp=2"], 3, "must divide the world size 3"),
+    (["model.n_heads=3"], 1, "model.n_heads=3 must divide model.d_model=128"),
+    (["model.n_kv_heads=3"], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
+    (["optim.lr=-1"], 1, "optim.lr=-1"),
+    (["train.steps=-5"], 1, "train.steps=-5 must be positive"),
+    (["train.steps=0"], 1, "train.steps=0 must be positive"),
+    (["optim.warmup_steps=-1"], 1, "optim.warmup_steps=-1"),
+    (["train.precision=fp16"], 1, "train.precision=fp16 is not a valid choice"),
+    (["model.dropout=1.5"], 1, "model.dropout=1.5"),
+    (["model.norm=batchnorm"], 1, "model.norm=batchnorm"),
+    (["checkpoint.resume=/no/such/ckpt"], 1, "checkpoint.resume=/no/such/ckpt"),
+    (["model=gpt5"], 1, "model=gpt5 is not a known preset"),
+    (["train.foo=1"], 1, "train.foo=1 is not a config key"),
+    (["train.steps=abc"], 1, "train.steps=abc"),
+    (["train.steps"], 1, "not an override"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,expected", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_value_gives_one_line(overrides, world, expected, data_dir):
+    with pytest.raises(ConfigError) as err:
+        load([f"data.path={data_dir}", *overrides], world_size=world)
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message and ";" in message  # one line, with a fix after the reason
+
+
+def test_missing_data_path_names_the_fix():
+    with pytest.raises(ConfigError, match=r"data.path=/nope/data has no prepared data.*prepare_data.py"):
+        load(["data.path=/nope/data"], world_size=1)
+
+
+def test_good_config_composes_every_preset(data_dir):
+    for preset in ("tiny", "llama-tiny", "gpt2-124m", "gpt2-350m", "gpt-1.3b", "llama-7b"):
+        cfg = load([f"model={preset}", f"data.path={data_dir}"], world_size=1)
+        assert cfg.model.name == preset
+    assert compose_config(["zero.stage=3"]).zero.stage == 3
+
+
+def test_train_py_exits_2_with_one_line_and_no_traceback():
+    env = dict(os.environ, RANK="0", WORLD_SIZE="4")
+    proc = subprocess.run([sys.executable, "train.py", "zero.stage=3", "zero.offload_param=cpu",
+                           "train.global_batch_size=6"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("config error: train.global_batch_size=6")
