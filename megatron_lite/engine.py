@@ -177,7 +177,13 @@ class Engine:
 
     def save(self, root: str, tag: str) -> None:
         """Every rank writes its own shards into root/tag (DeepSpeed's layout); no `latest` is touched."""
-        self.module.save_checkpoint(root, tag=tag, save_latest=False)
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE
+
+        # The universal-format description lets a later job with another DP size/ZeRO stage convert this.
+        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        self.module.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info},
+                                    save_latest=False)
 
     def load(self, root: str, tag: str) -> None:
         path, _ = self.module.load_checkpoint(root, tag=tag, load_module_strict=True,
