@@ -1,0 +1,89 @@
+"""The GPT model on its own: flavours, GQA, padded vocabulary, causality, initialisation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.gpt import GPT, apply_rope, padded_vocab_size, rope_cos_sin
+
+GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
+LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swiglu", position="rope",
+             bias=False, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_loss_is_cross_entropy_of_logits(kw):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**kw))
+    tokens = torch.randint(0, 1000, (2, 33))
+    logits = model(tokens[:, :-1])
+    assert logits.shape == (2, 32, 1000)  # the true vocabulary, not the padded one
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+    assert abs(loss.item() - math.log(1000)) < 0.5  # near-uniform at init
+
+
+def test_vocab_is_padded_and_padding_never_scored():
+    cfg = ModelConfig(**GPT2)
+    assert padded_vocab_size(cfg) == 1024 and padded_vocab_size(cfg, tp=4) == 1024
+    assert padded_vocab_size(ModelConfig(**dict(GPT2, vocab_size=1025)), tp=2) == 1152
+    model = GPT(cfg)
+    assert model.wte.weight.shape[0] == 1024 and model.head_weight().shape[0] == 1000
+    tokens = torch.randint(0, 1000, (1, 9))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert model.wte.weight.grad[1000:].abs().max() == 0  # padded rows get no gradient
+
+
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_causal(kw):
+    """Changing a future token changes no earlier position's logits."""
+    model = GPT(ModelConfig(**kw)).eval()
+    a = torch.randint(0, 1000, (1, 16))
+    b = a.clone()
+    b[0, 10] = (b[0, 10] + 1) % 1000
+    la, lb = model(a), model(b)
+    torch.testing.assert_close(la[:, :10], lb[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(la[:, 10:], lb[:, 10:])
+
+
+def test_gqa_equals_attention_with_repeated_kv_heads():
+    """A GQA model equals the MHA model whose K/V heads are copies of each group's shared head."""
+    torch.manual_seed(0)
+    gqa = GPT(ModelConfig(**LLAMA))
+    mha = GPT(ModelConfig(**dict(LLAMA, n_kv_heads=4)))
+    sd = gqa.state_dict()
+    hd, h, kv = 16, 4, 2
+    for i in range(2):
+        w = sd[f"blocks.{i}.attn.qkv.weight"]
+        q, k, v = w.split([h * hd, kv * hd, kv * hd])
+        rep = lambda t: t.view(kv, hd, -1).repeat_interleave(h // kv, dim=0).reshape(h * hd, -1)  # noqa: E731
+        sd[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, rep(k), rep(v)])
+    mha.load_state_dict(sd)
+    tokens = torch.randint(0, 1000, (2, 16))
+    torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_is_a_rotation_with_relative_positions():
+    cos, sin = rope_cos_sin(8, 16, 10000.0)
+    q, k = torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)
+    rq = apply_rope(q, cos, sin)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))  # norms kept
+    # <R_m q, R_n k> depends on m - n only: same vectors at shifted positions give the same score
+    q0, k0 = q[:, :, :1].expand(1, 1, 8, 16), k[:, :, :1].expand(1, 1, 8, 16)
+    s = (apply_rope(q0, cos, sin)[0, 0, 1:] * apply_rope(k0, cos, sin)[0, 0, :-1]).sum(-1)
+    torch.testing.assert_close(s, s[:1].expand_as(s), rtol=1e-5, atol=1e-5)
+
+
+def test_init_is_seeded_and_scaled():
+    torch.manual_seed(3)
+    a = GPT(ModelConfig(**dict(GPT2, n_layers=8)))
+    torch.manual_seed(3)
+    b = GPT(ModelConfig(**dict(GPT2, n_layers=8)))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert abs(a.blocks[0].attn.proj.weight.std().item() - 0.02 / 4) < 1e-3  # 0.02 / sqrt(2 * 8)
+    assert abs(a.blocks[0].attn.qkv.weight.std().item() - 0.02) < 2e-3
+    assert torch.equal(a.blocks[0].norm1.weight, torch.ones(64))
