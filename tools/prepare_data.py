@@ -1,0 +1,150 @@
+"""Tokenize local documents into the flat token memmap the trainer reads.
+
+    python tools/prepare_data.py --tokenizer assets/tokenizers/shakespeare-8k --out data/shakespeare-8k
+    python tools/prepare_data.py --input my_docs/ more.jsonl.gz --text-key body --tokenizer <dir> --out data/mine
+
+Inputs: files or directories of .txt (one document per file), .json/.jsonl (one document per record,
+field --text-key) and .parquet, optionally gzipped; default: the bundled Shakespeare corpus. HF `datasets`
+reads them (offline), a local HF tokenizer encodes them with `.map(batched=True)` (progress bar), an eos
+token ends every document. Documents are split into train/val by a seeded shuffle (val = the last
+--val-fraction of documents, at least one).
+
+Output (written to a temporary directory, then renamed, so a killed run leaves nothing half-written):
+  train.bin, val.bin           flat token ids (uint16 when the vocabulary fits, else uint32)
+  train.idx.npy, val.idx.npy   int64 start offset of every document (the index)
+  meta.json                    dtype, vocab_size, eos_id, tokenizer, token and document counts, sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_INPUT = os.path.join(ROOT, "assets", "corpus", "shakespeare.jsonl.gz")
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def _resolve(path: str) -> str:
+    return path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
+
+
+def _builder(path: str) -> str:
+    stem = path[:-3] if path.endswith(".gz") else path
+    ext = os.path.splitext(stem)[1]
+    if ext not in BUILDERS:
+        raise SystemExit(f"prepare_data: {path} has an unsupported type {ext!r}; use .txt, .json, .jsonl or .parquet")
+    return BUILDERS[ext]
+
+
+def collect_files(inputs: list[str]) -> dict[str, list[str]]:
+    """Group input files by HF `datasets` builder (text/json/parquet)."""
+    groups: dict[str, list[str]] = {}
+    for item in inputs:
+        item = _resolve(item)
+        files = ([os.path.join(d, f) for d, _, fs in sorted(os.walk(item)) for f in sorted(fs)]
+                 if os.path.isdir(item) else [item])
+        for f in files:
+            if not os.path.exists(f):
+                raise SystemExit(f"prepare_data: --input {f} does not exist")
+            groups.setdefault(_builder(f), []).append(f)
+    return groups
+
+
+def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
+    import datasets
+
+    parts = []
+    for builder, files in groups.items():
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+        if text_key not in ds.column_names:
+            raise SystemExit(f"prepare_data: --text-key {text_key} is not a field of {files[0]} "
+                             f"(fields: {', '.join(ds.column_names)})")
+        parts.append(ds.select_columns([text_key]).rename_column(text_key, "text") if text_key != "text"
+                     else ds.select_columns(["text"]))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def write_split(ds, out_dir: str, name: str, dtype) -> tuple[int, int]:
+    lengths = np.asarray(ds["length"], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    total = int(lengths.sum())
+    tokens = np.memmap(os.path.join(out_dir, f"{name}.bin"), dtype=dtype, mode="w+", shape=(max(total, 1),))
+    for start, batch in zip(range(0, len(ds), 1024), ds.iter(batch_size=1024)):
+        flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids in batch["ids"]])
+        tokens[offsets[start]: offsets[start] + len(flat)] = flat
+    tokens.flush()
+    np.save(os.path.join(out_dir, f"{name}.idx.npy"), offsets)
+    return total, len(ds)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--input", nargs="+", default=[DEFAULT_INPUT], help="files or directories")
+    ap.add_argument("--text-key", default="text", help="field holding the text in json/parquet records")
+    ap.add_argument("--tokenizer", default="assets/tokenizers/shakespeare-8k", help="local HF tokenizer dir")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
+    ap.add_argument("--seed", type=int, default=1234, help="seed of the train/val document split")
+    ap.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(_resolve(args.tokenizer))
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise SystemExit(f"prepare_data: tokenizer {args.tokenizer} has no eos token; documents need a separator")
+    dtype = np.uint16 if len(tokenizer) < 2**16 else np.uint32
+    out = os.path.abspath(args.out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".prepare_", dir=parent)
+    try:
+        groups = collect_files(args.input)
+        docs = load_documents(groups, args.text_key, cache_dir=os.path.join(tmp, "hf_cache"))
+
+        def encode(batch):
+            ids = [row + [eos] for row in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
+            return {"ids": ids, "length": [len(r) for r in ids]}
+
+        docs = docs.map(encode, batched=True, remove_columns=["text"], num_proc=args.num_proc,
+                        desc="tokenizing")
+        n_val = min(max(1, round(len(docs) * args.val_fraction)), len(docs) - 1) if len(docs) > 1 else 0
+        order = np.random.default_rng(args.seed).permutation(len(docs))
+        train_ds, val_ds = docs.select(sorted(order[: len(docs) - n_val])), docs.select(sorted(order[len(docs) - n_val:]))
+        train_tokens, n_train = write_split(train_ds, tmp, "train", dtype)
+        val_tokens, n_val = write_split(val_ds, tmp, "val", dtype) if n_val else (0, 0)
+        meta = {
+            "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer), "eos_id": eos, "tokenizer": args.tokenizer,
+            "train_tokens": train_tokens, "val_tokens": val_tokens, "n_docs_train": n_train, "n_docs_val": n_val,
+            "sources": [os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for fs in groups.values() for f in fs],
+        }
+        shutil.rmtree(os.path.join(tmp, "hf_cache"), ignore_errors=True)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        shutil.rmtree(out, ignore_errors=True)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"prepared {out}: {train_tokens:,} train + {val_tokens:,} val tokens "
+          f"({n_train} + {n_val} documents) in {time.time() - t0:.1f} s", file=sys.stderr)
+    return meta
+
+
+if __name__ == "__main__":
+    main()
