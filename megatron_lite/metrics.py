@@ -114,8 +114,9 @@ class MetricsLogger:
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if wandb_mode != "disabled":
             import wandb
+            from wandb.sdk.lib.runid import generate_id
 
-            self._id = wandb_id or wandb.util.generate_id()
+            self._id = wandb_id or generate_id()
             self._wandb = wandb.init(dir=run_dir, id=self._id, resume="allow", mode=wandb_mode,
                                      project=wandb_project, entity=wandb_entity, name=run_name,
                                      config=config_dict)
