@@ -128,6 +128,7 @@ class Engine:
             dist_init_required=False,
         )
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+        self._group_hparams = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
         self._plain_optimizer = cfg.zero.stage == 0 and self.dtype == torch.float32
 
     @property
@@ -190,6 +191,15 @@ class Engine:
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
+        # Two repairs after DeepSpeed 0.19's ZeRO-3 universal load: it copies group 0's hyperparameters into
+        # every group (weight decay on biases and norms), and it hands every group the *same* `step` tensor,
+        # which torch's AdamW then increments once per group per step (wrong bias correction).
+        for group, hparams in zip(self.optimizer.param_groups, self._group_hparams):
+            group.update(hparams)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
     def close(self) -> None:
         self.module.destroy()

@@ -26,7 +26,7 @@ def torchrun_cmd(nproc: int, script: str, *args: str, max_restarts: int = 0) -> 
             f"--master-port={free_port()}", f"--max-restarts={max_restarts}", script, *args]
 
 
-def test_env(**extra: str) -> dict:
+def rank_env(**extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", WANDB_SILENT="true",
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, **extra)
     return env
@@ -39,7 +39,7 @@ def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900)
     with open(spec, "w") as f:
         json.dump({"runs": runs, "out": out}, f)
     try:
-        proc = subprocess.run(torchrun_cmd(nproc, WORKER, spec), env=test_env(), cwd=ROOT,
+        proc = subprocess.run(torchrun_cmd(nproc, WORKER, spec), env=rank_env(), cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout)
     finally:
         clean_shared_memory()

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_lite.checkpoint import latest_checkpoint, step_name
 from tests.distributed.common import max_abs_diff, overrides
-from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, test_env, torchrun_cmd
+from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
 
@@ -30,7 +30,7 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     """Rank 1 dies while writing step 4; the restart must load step 2 and continue the same trajectory."""
     args = overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", f"zero.stage={stage}")
     ckpt = f"{tmp_path}/run/checkpoints"
-    env = test_env(KILL_RANK="1", KILL_TAG=step_name(4))
+    env = rank_env(KILL_RANK="1", KILL_TAG=step_name(4))
     crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     clean_shared_memory()
@@ -49,15 +49,15 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     assert os.path.isfile(os.path.join(ckpt, step_name(4), "meta.json"))  # rewritten cleanly this time
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_elastic_dp_resume(stage, tmp_path):
-    """Save at DP=4, resume at DP=2 (and 2 -> 4): the loss continues the uninterrupted run within 1e-4."""
-    name = f"z{stage}"
-    run4 = overrides(tmp_path, name, *STEPS8, "checkpoint.interval=4", f"zero.stage={stage}")
-    (straight,) = run_configs(4, [run4], tmp_path)
-    (shrunk,) = run_configs(2, [overrides(tmp_path, name + "_dp2", *STEPS8, f"zero.stage={stage}",
-                                          f"checkpoint.dir={tmp_path}/{name}_dp2_ckpt",
-                                          f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")],
-                            tmp_path)
-    gap = max_abs_diff(shrunk["losses"], straight["losses"][4:])
-    assert gap <= 1e-4, f"zero.stage={stage}: DP 4 -> 2 resume differs by {gap:.2e}"
+@pytest.mark.parametrize("stage,dp_from,dp_to", [(1, 4, 2), (2, 4, 2), (3, 4, 2), (2, 2, 4), (3, 2, 4)])
+def test_elastic_dp_resume(stage, dp_from, dp_to, tmp_path):
+    """Save at one DP size, resume at another: the loss continues the uninterrupted run within 1e-4."""
+    name = f"z{stage}_{dp_from}"
+    (straight,) = run_configs(dp_from, [overrides(tmp_path, name, *STEPS8, "checkpoint.interval=4",
+                                                  f"zero.stage={stage}")], tmp_path)
+    (resized,) = run_configs(dp_to, [overrides(tmp_path, f"{name}_to{dp_to}", *STEPS8, f"zero.stage={stage}",
+                                               f"checkpoint.dir={tmp_path}/{name}_to{dp_to}_ckpt",
+                                               f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")],
+                             tmp_path)
+    gap = max_abs_diff(resized["losses"], straight["losses"][4:])
+    assert gap <= 1e-4, f"zero.stage={stage}: DP {dp_from} -> {dp_to} resume differs by {gap:.2e}"
