@@ -103,7 +103,7 @@ class ZeroConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    steps: int = 500
     """Optimizer steps to train for."""
     global_batch_size: int = 16
     """Sequences per optimizer step, over all data-parallel ranks: micro * accumulation * dp."""
@@ -115,7 +115,7 @@ class TrainConfig:
     """Activation recomputation: none, selective or full."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
-    eval_interval: int = 0
+    eval_interval: int = 100
     """Validation loss every N steps on the held-out split (0 = never)."""
     eval_iters: int = 4
     """Micro-batches per validation pass."""
@@ -134,7 +134,7 @@ class OptimConfig:
     decay: str = "cosine"
     """Decay after warmup until train.steps: cosine, linear or constant."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay (not applied to biases, norms or embeddings' positions)."""
+    """AdamW decoupled weight decay, on matrices only (not on biases or norm gains)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
     eps: float = 1e-8
@@ -153,7 +153,7 @@ class DataConfig:
 class CheckpointConfig:
     dir: str = "${run.dir}/checkpoints"
     """Where step_<NNNNNNN>/ directories and the `latest` pointer live."""
-    interval: int = 100
+    interval: int = 250
     """Save every N steps (0 = only at the end and on a stop signal)."""
     keep: int = 3
     """Complete checkpoints to keep (older ones are deleted after a new one commits); 0 keeps all."""
@@ -316,7 +316,7 @@ def validate(cfg: Config, world_size: int) -> None:
     data_dir = repo_path(cfg.data.path)
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
         _fail("data.path", cfg.data.path, "has no prepared data (meta.json missing)",
-              f"run `python tools/prepare_data.py --out {cfg.data.path}` or `make data`")
+              f"run `make data` or `python tools/prepare_data.py --tokenizer {cfg.data.tokenizer} --out {cfg.data.path}`")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0:
         key = "checkpoint.interval" if cfg.checkpoint.interval < 0 else "checkpoint.keep"
         _fail(key, getattr(cfg.checkpoint, key.split(".")[1]), "must be >= 0", "use 0 to disable")

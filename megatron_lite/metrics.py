@@ -109,7 +109,13 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self._tty = sys.stdout.isatty()
+        self._progress = None
+        if sys.stdout.isatty():  # a live bar on a terminal; plain lines in logs (Slurm, CI)
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(BarColumn(bar_width=24), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+            self._task = self._progress.add_task("train", total=total_steps, status="starting")
+            self._progress.start()
         if wandb_mode == "auto":
             wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if wandb_mode != "disabled":
@@ -137,24 +143,25 @@ class MetricsLogger:
                 f"MFU {100 * metrics['mfu']:.2f}%")
         if "val_loss" in metrics:
             line += f"  val {metrics['val_loss']:.4f}"
-        if self._tty:
-            sys.stdout.write("\r\033[K" + line)
-            sys.stdout.flush()
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=line)
         else:
             print(line, flush=True)
 
     def print(self, message: str) -> None:
         if not self.enabled:
             return
-        if self._tty:
-            sys.stdout.write("\r\033[K")
-        print(message, flush=True)
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, flush=True)
 
     def close(self) -> None:
         if not self.enabled:
             return
-        if self._tty:
-            sys.stdout.write("\n")
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
         self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kernels import resolve_backend
 from megatron_lite import checkpoint
 from megatron_lite.config import Config, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
@@ -97,9 +98,13 @@ def run(cfg: Config) -> dict:
     model_flops, hw_flops = step_flops(cfg.model, tokens_per_step, cfg.train.recompute)
     if start_step:
         logger.print(f"resumed from {resume_path} at step {start_step} ({consumed} samples consumed)")
-    logger.print(f"world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}), "
-                 f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}; peak {peak / 1e12:.2f} "
-                 f"TFLOP/s per device ({peak_source})")
+    if start_step >= cfg.train.steps:
+        logger.print(f"nothing to do: {cfg.checkpoint.dir} already holds step {start_step} of train.steps="
+                     f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
+    logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}), "
+                 f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
+                 f"{resolve_backend(cfg.kernels.backend, ctx.device)}; peak {peak / 1e12:.2f} TFLOP/s per device "
+                 f"({peak_source})")
 
     def save(step: int) -> None:
         meta_out = {

@@ -28,7 +28,8 @@ def torchrun_cmd(nproc: int, script: str, *args: str, max_restarts: int = 0) -> 
 
 def rank_env(**extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", WANDB_SILENT="true",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, **extra)
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    env.update(extra)
     return env
 
 
