@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {err}", file=sys.stderr)
         return 2
+    import torch.distributed as dist
+
     from megatron_lite.training import run
 
     run(cfg)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
