@@ -219,3 +219,25 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
 
         state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
     return model_cfg, {k: v.float() for k, v in state.items()}
+
+
+def check_resume(cfg, world_size: int) -> None:
+    """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError)."""
+    from dataclasses import asdict
+
+    from megatron_lite.config import ConfigError
+
+    path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
+    if path is None:
+        return
+    meta = read_meta(path)
+    saved = meta["model"] if meta["kind"] == "weights" else meta["config"]["model"]
+    for key, value in asdict(cfg.model).items():
+        if key not in ("name", "dropout") and saved.get(key) != value:
+            raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
+                              f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
+    if meta["kind"] == "deepspeed":
+        saved_stage = meta["layout"]["zero_stage"]
+        if saved_stage != cfg.zero.stage and 0 in (saved_stage, cfg.zero.stage):
+            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "
+                              f"use zero.stage={saved_stage} (ZeRO 1, 2 and 3 convert into each other, 0 does not)")

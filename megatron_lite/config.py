@@ -10,6 +10,7 @@ Left out on purpose: context parallelism and expert parallelism (no config keys 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -317,6 +318,11 @@ def validate(cfg: Config, world_size: int) -> None:
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
         _fail("data.path", cfg.data.path, "has no prepared data (meta.json missing)",
               f"run `make data` or `python tools/prepare_data.py --tokenizer {cfg.data.tokenizer} --out {cfg.data.path}`")
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        data_vocab = json.load(f).get("vocab_size", 0)
+    if data_vocab > m.vocab_size:
+        _fail("model.vocab_size", m.vocab_size, f"is smaller than data.path={cfg.data.path}'s tokenizer ({data_vocab} "
+              "tokens)", f"use model.vocab_size>={data_vocab} or data prepared with a smaller tokenizer")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0:
         key = "checkpoint.interval" if cfg.checkpoint.interval < 0 else "checkpoint.keep"
         _fail(key, getattr(cfg.checkpoint, key.split(".")[1]), "must be >= 0", "use 0 to disable")

@@ -12,6 +12,12 @@ from megatron_lite.config import ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture(autouse=True)
+def _isolated_cwd(tmp_path, monkeypatch):
+    """run.dir and checkpoint.dir are relative to the working directory: keep real runs out of sight."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def data_dir(tmp_path):
     (tmp_path / "meta.json").write_text("{}")
@@ -66,8 +72,8 @@ def test_good_config_composes_every_preset(data_dir):
 
 def test_train_py_exits_2_with_one_line_and_no_traceback():
     env = dict(os.environ, RANK="0", WORLD_SIZE="4")
-    proc = subprocess.run([sys.executable, "train.py", "zero.stage=3", "zero.offload_param=cpu",
-                           "train.global_batch_size=6"], cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "zero.stage=3", "zero.offload_param=cpu",
+                           "train.global_batch_size=6"], env=env, capture_output=True, text=True)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -84,3 +90,30 @@ def test_nvme_offload_without_async_io_is_refused_in_one_line(data_dir):
     cfg = load([f"data.path={data_dir}", "zero.stage=3", "zero.offload_param=nvme"], world_size=1)
     with pytest.raises(ConfigError, match=r"^zero.offload_param=nvme needs DeepSpeed's async_io op.*libaio"):
         check_offload_support(cfg)
+
+
+def test_data_tokenizer_larger_than_the_model_vocabulary(data_dir):
+    with open(os.path.join(data_dir, "meta.json"), "w") as f:
+        f.write('{"vocab_size": 50257}')
+    with pytest.raises(ConfigError, match=r"^model.vocab_size=8192 is smaller than data.path="):
+        load([f"data.path={data_dir}"], world_size=1)
+
+
+def test_resume_with_another_model_shape_or_from_zero0_is_refused(data_dir, tmp_path):
+    import json
+
+    step = tmp_path / "ckpt" / "step_0000004"
+    step.mkdir(parents=True)
+    cfg = load([f"data.path={data_dir}"], world_size=1)
+    from dataclasses import asdict
+
+    meta = {"kind": "deepspeed", "step": 4, "config": {"model": asdict(cfg.model)},
+            "layout": {"zero_stage": 0, "dp": 1, "world_size": 1}}
+    (step / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "ckpt" / "latest").write_text("step_0000004")
+    args = [f"data.path={data_dir}", f"checkpoint.dir={tmp_path}/ckpt"]
+    with pytest.raises(ConfigError, match=r"^model.n_layers=6 differs from the checkpoint"):
+        load(args + ["model.n_layers=6"], world_size=1)
+    with pytest.raises(ConfigError, match=r"^zero.stage=2 cannot resume .* zero.stage=0"):
+        load(args + ["zero.stage=2"], world_size=1)
+    assert load(args + ["zero.stage=0"], world_size=2).zero.stage == 0  # DP change at stage 0 is fine
