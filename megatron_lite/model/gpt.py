@@ -73,10 +73,11 @@ class Attention(nn.Module):
         self.rope = cfg.position == "rope"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, s, _ = x.shape
+        qkv = self.qkv(x)  # (b, s, qkv_dim); s is the full sequence even when x holds a sequence-parallel shard
+        b, s, _ = qkv.shape
         # The local head counts follow the weight shape, so a tensor-parallel shard runs this code unchanged.
         kv_dim = self.qkv.weight.shape[0] * self.n_kv_heads // (self.n_heads + 2 * self.n_kv_heads)
-        q, k, v = self.qkv(x).split([self.qkv.weight.shape[0] - 2 * kv_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = qkv.split([self.qkv.weight.shape[0] - 2 * kv_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, heads, s, hd)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, hd)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -119,6 +120,20 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+class LMHead(nn.Module):
+    """Logits over the true vocabulary (padded rows never scored); mean fp32 cross entropy given labels."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = F.linear(h, weight[: self.vocab_size])  # (b, s, vocab)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int = 1):
         super().__init__()
@@ -127,9 +142,11 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.to_blocks = nn.Identity()  # where sequence parallelism scatters the sequence over TP ranks
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, self.padded_vocab, bias=False)
+        self.head = LMHead(cfg.vocab_size)
         if cfg.position == "rope":
             cos, sin = rope_cos_sin(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -149,9 +166,8 @@ class GPT(nn.Module):
                 p.normal_(0.0, std)
 
     def head_weight(self) -> torch.Tensor:
-        """Output projection rows of the true vocabulary (a view; padded rows are never scored)."""
-        w = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return w[: self.cfg.vocab_size]
+        """The output projection: the (tied) embedding or lm_head weight, padded rows included."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (b, s) -> final-normed hidden states (b, s, h)."""
@@ -162,14 +178,11 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(s, device=tokens.device))
         else:
             rope = (self.rope_cos[:s], self.rope_sin[:s])
-        x = self.drop(x)
+        x = self.drop(self.to_blocks(x))
         for block in self.blocks:
             x = block(x, rope)
         return self.norm_f(x)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, s, vocab) without labels; mean next-token cross entropy (fp32) with labels."""
-        logits = F.linear(self.hidden_states(tokens), self.head_weight())
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return self.head(self.hidden_states(tokens), self.head_weight(), labels)

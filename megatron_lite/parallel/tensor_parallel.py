@@ -1,0 +1,119 @@
+"""Apply tensor (and sequence) parallelism to a serial GPT: one table, applied in place, after init.
+
+The model stays single-device code; this step swaps its modules for sharded ones made from the full
+weights, so the sharded model is exactly the serial one split over ranks:
+
+  attn.qkv   column-parallel, segments [q | k | v]     attn.proj   row-parallel
+  mlp.fc_in  column-parallel, segments [gate | up]     mlp.fc_out  row-parallel
+  wte        vocab-parallel embedding                  lm_head     vocab rows split (untied models)
+  head       vocab-parallel cross entropy (no full-vocabulary logits on any rank)
+  with SP:   to_blocks scatters the sequence; norms run on sequence shards with TP-summed gain gradients
+
+KV heads are split, never replicated: parallel.tp must divide model.n_kv_heads (validated in config).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_lite.model.gpt import GPT, RMSNorm
+from megatron_lite.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from megatron_lite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, scatter_to_sp
+
+
+class ScatterToSP(nn.Module):
+    def __init__(self, tp_group):
+        super().__init__()
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sp(x, self.tp_group)  # (b, s, h) -> (b, s/tp, h)
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm on a sequence shard; gain/bias gradients are summed over TP by copy_to_tp's backward."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.tp_group), bias, self.eps)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return copy_to_tp(self.weight, self.tp_group) * y.to(x.dtype)
+
+
+def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module:
+    if isinstance(norm, RMSNorm):
+        new = SequenceParallelRMSNorm(norm.weight.shape[0], norm.eps)
+    else:
+        new = SequenceParallelLayerNorm(norm.normalized_shape, eps=norm.eps, bias=norm.bias is not None)
+    new.load_state_dict(norm.state_dict())
+    new.tp_group = tp_group
+    return new
+
+
+class VocabParallelHead(nn.Module):
+    """Local logits for this rank's vocabulary range, then vocab-parallel cross entropy."""
+
+    def __init__(self, vocab_size: int, vocab_start: int, tp_group, sequence_parallel: bool):
+        super().__init__()
+        self.vocab_size, self.vocab_start = vocab_size, vocab_start
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
+        logits = F.linear(h, weight)  # (b, s, V_padded/tp)
+        valid = self.vocab_size - self.vocab_start  # ids at or past the true vocabulary are padding
+        if valid < logits.shape[-1]:
+            padded = torch.arange(logits.shape[-1], device=logits.device) >= valid
+            logits = logits.masked_fill(padded, float("-inf"))
+        if labels is None:
+            return gather_from_tp(logits, self.tp_group)[..., : self.vocab_size]
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_start, self.tp_group)
+        return losses.mean()
+
+
+def parallelize(model: GPT, tp_group, sequence_parallel: bool = False) -> GPT:
+    """Shard `model` in place over tp_group (a no-op for one rank) and return it."""
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if tp == 1:
+        return model
+    cfg = model.cfg
+    plan = {  # submodule name -> (layer, fused segments of its output rows)
+        "attn.qkv": (ColumnParallelLinear, [cfg.n_heads * cfg.head_dim] + [cfg.kv_heads * cfg.head_dim] * 2),
+        "attn.proj": (RowParallelLinear, None),
+        "mlp.fc_in": (ColumnParallelLinear, [cfg.ffn] * (2 if cfg.activation == "swiglu" else 1)),
+        "mlp.fc_out": (RowParallelLinear, None),
+    }
+    for block in model.blocks:
+        for name, (layer, segments) in plan.items():
+            parent, attr = block.get_submodule(name.split(".")[0]), name.split(".")[1]
+            full = getattr(parent, attr)
+            kwargs = {"segments": segments} if segments else {}
+            setattr(parent, attr, layer.from_full(full, tp_group, sequence_parallel=sequence_parallel, **kwargs))
+        if sequence_parallel:
+            block.norm1 = _sequence_parallel_norm(block.norm1, tp_group)
+            block.norm2 = _sequence_parallel_norm(block.norm2, tp_group)
+    if sequence_parallel:
+        model.norm_f = _sequence_parallel_norm(model.norm_f, tp_group)
+        model.to_blocks = ScatterToSP(tp_group)
+    model.wte = VocabParallelEmbedding.from_full(model.wte, tp_group)
+    if model.lm_head is not None:
+        model.lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_group)
+    model.head = VocabParallelHead(cfg.vocab_size, model.wte.vocab_start, tp_group, sequence_parallel)
+    return model
