@@ -258,14 +258,20 @@ def validate(cfg: Config, world_size: int) -> None:
     if world_size % (p.tp * p.pp):
         _fail("parallel.tp", p.tp, f"times parallel.pp={p.pp} must divide the world size {world_size}",
               f"pick tp*pp among {_divisors(world_size)}")
-    for key, val in (("model.n_heads", m.n_heads), ("model.ffn_hidden", m.ffn)):
+    for key, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn)):
         if val % p.tp:
+            # KV heads are split, never replicated, so tp must divide them too (see parallel/tensor_parallel.py).
             _fail("parallel.tp", p.tp, f"must divide {key}={val}", f"try {_divisors(val)}")
-    if p.tp > 1 or p.pp > 1 or p.vpp > 1 or p.sp:
-        _fail("parallel.tp" if p.tp > 1 else "parallel.pp" if p.pp > 1 else "parallel.vpp" if p.vpp > 1
-              else "parallel.sp", p.tp if p.tp > 1 else p.pp if p.pp > 1 else p.vpp if p.vpp > 1 else p.sp,
-              "is not available in this build yet (tensor/pipeline parallel land in later releases)",
-              "use data parallelism (more ranks) with zero.stage=1/2/3")
+    if p.sp and m.seq_len % p.tp:
+        _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
+              "change model.seq_len or parallel.tp")
+    if p.tp > 1 and m.dropout > 0:
+        _fail("model.dropout", m.dropout, f"with parallel.tp={p.tp} needs the TP dropout RNG tracker, not in this "
+              "build yet", "use model.dropout=0 with tensor parallelism")
+    if p.pp > 1 or p.vpp > 1:
+        key, val = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.vpp", p.vpp)
+        _fail(key, val, "is not available in this build yet (the pipeline lands in a later release)",
+              "use data and tensor parallelism (parallel.tp) with zero.stage=1/2/3")
     dp = world_size // (p.tp * p.pp)
 
     # --- ZeRO ---

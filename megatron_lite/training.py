@@ -26,6 +26,7 @@ from megatron_lite.engine import Engine, lr_at, resolve_precision
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext, init_distributed
+from megatron_lite.parallel.tensor_parallel import parallelize
 
 
 def seed_all(seed: int) -> None:
@@ -71,6 +72,7 @@ def run(cfg: Config) -> dict:
     if meta is not None and meta["kind"] == "weights":
         _, weights = checkpoint.load_model_state(resume_path)
         model.load_state_dict(weights)
+    model = parallelize(model, ctx.tp_group, cfg.parallel.sp)  # shards the full weights: same model as tp=1
     ckpt_dp = meta["layout"]["dp"] if meta is not None and meta["kind"] == "deepspeed" else None
     engine = Engine(cfg, model, ctx, checkpoint_dp_size=ckpt_dp)
 
@@ -115,7 +117,7 @@ def run(cfg: Config) -> dict:
         path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
         logger.print(f"saved {path}")
 
-    losses, step, stopped = [], start_step, False
+    losses, grad_norms, step, stopped = [], [], start_step, False
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
         loss, grad_norm = engine.train_step(batches.next_step(), lr_at(step - 1, cfg))
@@ -135,6 +137,7 @@ def run(cfg: Config) -> dict:
             record["val_ppl"] = float(np.exp(min(record["val_loss"], 50.0)))
         logger.log(step, record)
         losses.append(loss)
+        grad_norms.append(grad_norm)
         stopped = stop.agreed(ctx.device)
         interval = cfg.checkpoint.interval
         if stopped or step == cfg.train.steps or (interval and step % interval == 0):
@@ -144,4 +147,4 @@ def run(cfg: Config) -> dict:
             break
     logger.close()
     engine.close()
-    return {"losses": losses, "last_step": step, "stopped": stopped}
+    return {"losses": losses, "grad_norms": grad_norms, "last_step": step, "stopped": stopped}

@@ -13,12 +13,18 @@ from tests.distributed.launcher import run_configs
 TOL = 1e-4
 
 
+def assert_same_grad_norms(result, reference):
+    """The global gradient norm (before clipping) must count every parameter once, whatever the layout."""
+    for got, want in zip(result["grad_norms"], reference["grad_norms"]):
+        assert abs(got - want) <= 1e-4 * want, f"{result['overrides'][-3:]}: grad norm {got} vs {want}"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
     (result,) = run_configs(1, [overrides(tmp, "single")], tmp)
     assert len(result["losses"]) == 6
-    return result["losses"]
+    return result
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -26,13 +32,25 @@ def test_zero_stages_match_single_process(nproc, reference, tmp_path):
     runs = [overrides(tmp_path, f"zero{stage}", f"zero.stage={stage}") for stage in (0, 1, 2, 3)]
     results = run_configs(nproc, runs, tmp_path)
     for stage, result in zip((0, 1, 2, 3), results):
-        gap = max_abs_diff(result["losses"], reference)
+        gap = max_abs_diff(result["losses"], reference["losses"])
         assert gap <= TOL, f"zero.stage={stage} on {nproc} ranks: max |loss - single| = {gap:.2e}"
+        assert_same_grad_norms(result, reference)
 
 
 def test_cpu_optimizer_offload_matches_no_offload(reference, tmp_path):
     runs = [overrides(tmp_path, "offload2", "zero.stage=2", "zero.offload_optimizer=cpu"),
             overrides(tmp_path, "offload3", "zero.stage=3", "zero.offload_optimizer=cpu")]
     for result in run_configs(2, runs, tmp_path):
-        gap = max_abs_diff(result["losses"], reference)
+        gap = max_abs_diff(result["losses"], reference["losses"])
         assert gap <= TOL, f"{result['overrides'][-2:]}: max |loss - single| = {gap:.2e}"
+        assert_same_grad_norms(result, reference)
+
+
+def test_tensor_parallel_with_zero_matches_single_process(reference, tmp_path):
+    """tp=2 x dp=2 on 4 ranks, ZeRO 1/2/3 (plus sequence parallel at stage 3) vs one process, 6 steps."""
+    runs = [overrides(tmp_path, f"tp2_zero{stage}", f"zero.stage={stage}", "parallel.tp=2") for stage in (1, 2, 3)]
+    runs.append(overrides(tmp_path, "tp2_sp_zero3", "zero.stage=3", "parallel.tp=2", "parallel.sp=true"))
+    for result in run_configs(4, runs, tmp_path):
+        gap = max_abs_diff(result["losses"], reference["losses"])
+        assert gap <= TOL, f"{result['overrides'][-2:]}: max |loss - single| = {gap:.2e}"
+        assert_same_grad_norms(result, reference)

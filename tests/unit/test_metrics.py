@@ -1,6 +1,7 @@
 """FLOPs formula vs torch's FlopCounterMode on the real model; MFU/HFU; JSONL and wandb offline logging."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -67,6 +68,9 @@ def test_logger_writes_jsonl_and_wandb_offline(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         logger.log(step, _record(step))
     logger.close()
+    # wandb names offline runs offline-run-<second>-<id>: a resume within the same second would reuse the
+    # directory and replace the first file (a real restart takes far longer than a second).
+    time.sleep(1.1)
     resumed = MetricsLogger(str(tmp_path), {"a": 1}, enabled=True, wandb_mode="offline", wandb_id=run_id)
     for step in (4, 5, 6):
         resumed.log(step, _record(step))
