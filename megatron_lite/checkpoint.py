@@ -237,6 +237,10 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
                               f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
+        saved_tp = meta["layout"].get("tp", 1)
+        if saved_tp != cfg.parallel.tp:
+            raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
+                              f"(TP resharding is not in this build yet); use parallel.tp={saved_tp}")
         saved_stage = meta["layout"]["zero_stage"]
         if saved_stage != cfg.zero.stage and 0 in (saved_stage, cfg.zero.stage):
             raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "

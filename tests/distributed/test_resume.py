@@ -25,6 +25,19 @@ def test_exact_resume_8_equals_4_plus_4(tmp_path):
     assert gap <= 1e-6, f"resumed steps 5-8 differ from the straight run by {gap:.2e}"
 
 
+def test_exact_resume_with_tensor_parallel(tmp_path):
+    """tp=2 x dp=2, ZeRO-2: 8 straight steps vs a restart from step 4 in a fresh world, <= 1e-6."""
+    layout = ["parallel.tp=2", "zero.stage=2"]
+    ckpt = f"{tmp_path}/straight/checkpoints"
+    (straight,) = run_configs(4, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
+                              tmp_path)
+    (resumed,) = run_configs(4, [overrides(tmp_path, "resumed", *STEPS8, *layout,
+                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
+                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
+    gap = max_abs_diff(resumed["losses"], straight["losses"][4:])
+    assert gap <= 1e-6, f"tp=2 resume differs from the straight run by {gap:.2e}"
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     """Rank 1 dies while writing step 4; the restart must load step 2 and continue the same trajectory."""

@@ -121,3 +121,5 @@ def test_resume_with_another_model_shape_or_from_zero0_is_refused(data_dir, tmp_
     with pytest.raises(ConfigError, match=r"^zero.stage=2 cannot resume .* zero.stage=0"):
         load(args + ["zero.stage=2"], world_size=1)
     assert load(args + ["zero.stage=0"], world_size=2).zero.stage == 0  # DP change at stage 0 is fine
+    with pytest.raises(ConfigError, match=r"^parallel.tp=2 cannot resume .* parallel.tp=1"):
+        load(args + ["parallel.tp=2"], world_size=2)
