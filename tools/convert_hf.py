@@ -60,6 +60,22 @@ def hf_config_to_model_config(hf) -> ModelConfig:
     raise ConversionError(f"model_type={hf.model_type} is not supported; use a GPT-2 or Llama checkpoint")
 
 
+def _gpt2_pairs(n_layers: int):
+    """(our name, HF name, transposed?) for every GPT-2 tensor but the token embedding and the head."""
+    yield "wpe.weight", "transformer.wpe.weight", False
+    for i in range(n_layers):
+        o, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            for kind in ("weight", "bias"):
+                yield f"{o}{ours}.{kind}", f"{h}{theirs}.{kind}", False
+        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
+                             ("mlp.fc_in", "mlp.c_fc"), ("mlp.fc_out", "mlp.c_proj")):
+            yield f"{o}{ours}.weight", f"{h}{theirs}.weight", True  # Conv1D stores (in, out)
+            yield f"{o}{ours}.bias", f"{h}{theirs}.bias", False
+    for kind in ("weight", "bias"):
+        yield f"norm_f.{kind}", f"transformer.ln_f.{kind}", False
+
+
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])]) if rows > w.shape[0] else w
 
@@ -69,18 +85,9 @@ def hf_to_ours(sd: dict, hf_config) -> tuple[ModelConfig, dict]:
     rows = padded_vocab_size(cfg)
     out = {}
     if hf_config.model_type == "gpt2":
-        p = "transformer."
-        out["wte.weight"] = _pad_rows(sd[p + "wte.weight"], rows)
-        out["wpe.weight"] = sd[p + "wpe.weight"]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                out[o + ours + ".weight"], out[o + ours + ".bias"] = sd[h + theirs + ".weight"], sd[h + theirs + ".bias"]
-            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                                 ("mlp.fc_in", "mlp.c_fc"), ("mlp.fc_out", "mlp.c_proj")):
-                out[o + ours + ".weight"] = sd[h + theirs + ".weight"].t().contiguous()
-                out[o + ours + ".bias"] = sd[h + theirs + ".bias"]
-        out["norm_f.weight"], out["norm_f.bias"] = sd[p + "ln_f.weight"], sd[p + "ln_f.bias"]
+        out["wte.weight"] = _pad_rows(sd["transformer.wte.weight"], rows)
+        for ours, theirs, transposed in _gpt2_pairs(cfg.n_layers):
+            out[ours] = sd[theirs].t().contiguous() if transposed else sd[theirs]
     else:
         p = "model."
         out["wte.weight"] = _pad_rows(sd[p + "embed_tokens.weight"], rows)
@@ -111,18 +118,9 @@ def ours_to_hf(cfg: ModelConfig, sd: dict):
                         n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
                         layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         tie_word_embeddings=True)
-        p = "transformer."
-        out[p + "wte.weight"], out[p + "wpe.weight"] = sd["wte.weight"][:V], sd["wpe.weight"]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                out[h + theirs + ".weight"], out[h + theirs + ".bias"] = sd[o + ours + ".weight"], sd[o + ours + ".bias"]
-            for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                                 ("mlp.fc_in", "mlp.c_fc"), ("mlp.fc_out", "mlp.c_proj")):
-                out[h + theirs + ".weight"] = sd[o + ours + ".weight"].t().contiguous()
-                out[h + theirs + ".bias"] = sd[o + ours + ".bias"]
-        out[p + "ln_f.weight"], out[p + "ln_f.bias"] = sd["norm_f.weight"], sd["norm_f.bias"]
-        out["lm_head.weight"] = out[p + "wte.weight"]
+        out["transformer.wte.weight"] = out["lm_head.weight"] = sd["wte.weight"][:V]
+        for ours, theirs, transposed in _gpt2_pairs(cfg.n_layers):
+            out[theirs] = sd[ours].t().contiguous() if transposed else sd[ours]
         return hf, out
     if cfg.norm != "rmsnorm" or cfg.activation != "swiglu" or cfg.bias:
         raise ConversionError("only Llama-shaped models (rmsnorm, swiglu, rope, no biases) export as Llama")
