@@ -77,19 +77,24 @@ def resolve_resume(resume: str, root: str) -> str | None:
 
 # --- RNG streams ------------------------------------------------------------------------------------------
 
-def rng_state() -> dict:
+def rng_state(tp_rng=None) -> dict:
+    """Every random stream this rank draws from: python, numpy, torch (CPU, CUDA) and the TP dropout stream."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    if tp_rng is not None:
+        state["tp"] = tp_rng.state.clone()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, tp_rng=None) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if tp_rng is not None and "tp" in state:
+        tp_rng.state = state["tp"]
 
 
 def _encode(obj: Any) -> str:
@@ -102,7 +107,7 @@ def _decode(text: str) -> Any:
 
 # --- save / load with a DeepSpeed engine ------------------------------------------------------------------
 
-def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
+def save(engine, ctx, root: str, step: int, meta: dict, keep: int, tp_rng=None) -> str:
     """Collective: every rank writes its shards, rank 0 commits. Returns the step directory."""
     tag = step_name(step)
     path = os.path.join(root, tag)
@@ -112,7 +117,7 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
             shutil.rmtree(path)
     dist.barrier()
     engine.save(root, tag)
-    torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
+    torch.save(rng_state(tp_rng), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
     dist.barrier()  # every rank's files are on disk
     if ctx.is_first:
         meta = dict(meta, step=step, kind="deepspeed", rng_rank0=_encode(rng_state()))
@@ -160,7 +165,7 @@ def prepare_universal(path: str, ctx) -> None:
     dist.barrier()
 
 
-def load(engine, ctx, path: str, zero_stage: int) -> dict:
+def load(engine, ctx, path: str, zero_stage: int, tp_rng=None) -> dict:
     """Collective: load `path` into the engine, restore this rank's RNG streams; return meta."""
     meta = read_meta(path)
     if needs_universal(meta, ctx.dp_size, zero_stage):
@@ -172,7 +177,7 @@ def load(engine, ctx, path: str, zero_stage: int) -> dict:
     # (dropout masks then differ from an uninterrupted run, which cannot be avoided when ranks change).
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
     if meta["layout"]["world_size"] == ctx.world_size and os.path.isfile(own):
-        set_rng_state(torch.load(own, weights_only=False))
+        set_rng_state(torch.load(own, weights_only=False), tp_rng)
     else:
         set_rng_state(_decode(meta["rng_rank0"]))
     return meta

@@ -265,9 +265,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sp and m.seq_len % p.tp:
         _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
               "change model.seq_len or parallel.tp")
-    if p.tp > 1 and m.dropout > 0:
-        _fail("model.dropout", m.dropout, f"with parallel.tp={p.tp} needs the TP dropout RNG tracker, not in this "
-              "build yet", "use model.dropout=0 with tensor parallelism")
     if p.pp > 1 or p.vpp > 1:
         key, val = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.vpp", p.vpp)
         _fail(key, val, "is not available in this build yet (the pipeline lands in a later release)",

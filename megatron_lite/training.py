@@ -26,6 +26,7 @@ from megatron_lite.engine import Engine, lr_at, resolve_precision
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext, init_distributed
+from megatron_lite.parallel.random import TPRNGTracker
 from megatron_lite.parallel.tensor_parallel import parallelize
 
 
@@ -72,14 +73,15 @@ def run(cfg: Config) -> dict:
     if meta is not None and meta["kind"] == "weights":
         _, weights = checkpoint.load_model_state(resume_path)
         model.load_state_dict(weights)
-    model = parallelize(model, ctx.tp_group, cfg.parallel.sp)  # shards the full weights: same model as tp=1
+    tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
+    model = parallelize(model, ctx.tp_group, cfg.parallel.sp, tp_rng)  # shards the full weights: same model as tp=1
     ckpt_dp = meta["layout"]["dp"] if meta is not None and meta["kind"] == "deepspeed" else None
     engine = Engine(cfg, model, ctx, checkpoint_dp_size=ckpt_dp)
 
     start_step, consumed, wandb_id = 0, 0, None
     if meta is not None:
         if meta["kind"] == "deepspeed":
-            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage)
+            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage, tp_rng)
         start_step, consumed, wandb_id = meta["step"], meta["consumed_samples"], meta.get("wandb_id")
 
     data = TokenData(repo_path(cfg.data.path))
@@ -114,7 +116,7 @@ def run(cfg: Config) -> dict:
             "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
                        "zero_stage": cfg.zero.stage},
         }
-        path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
+        path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, tp_rng)
         logger.print(f"saved {path}")
 
     losses, grad_norms, step, stopped = [], [], start_step, False

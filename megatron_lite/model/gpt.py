@@ -16,6 +16,7 @@ Left out on purpose: KV cache / generation, attention masks other than causal, M
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -71,6 +72,8 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.rope = cfg.position == "rope"
+        # Context for the attention-probability dropout; tensor parallelism swaps in its per-rank RNG stream.
+        self.dropout_rng = contextlib.nullcontext
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)  # (b, s, qkv_dim); s is the full sequence even when x holds a sequence-parallel shard
@@ -84,10 +87,11 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # (b, heads, s, hd)
+        with self.dropout_rng():
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )  # (b, heads, s, hd)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

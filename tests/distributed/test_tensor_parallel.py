@@ -17,3 +17,11 @@ def test_tensor_and_sequence_parallel_match_serial(tp):
     clean_shared_memory()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("max |diff|") == 8, proc.stdout
+
+
+def test_dropout_masks_differ_inside_tp_regions_and_agree_outside():
+    proc = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/dropout_worker.py")),
+                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    clean_shared_memory()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dropout checks passed" in proc.stdout

@@ -35,7 +35,6 @@ BAD = [
     (["parallel.tp=8"], 8, "parallel.tp=8 must divide model.n_heads=4"),
     (["model=llama-tiny", "parallel.tp=4"], 4, "parallel.tp=4 must divide model.n_kv_heads=2"),
     (["parallel.pp=2"], 2, "parallel.pp=2 is not available"),
-    (["parallel.tp=2", "model.dropout=0.1"], 2, "model.dropout=0.1 with parallel.tp=2"),
     (["model.n_heads=3"], 1, "model.n_heads=3 must divide model.d_model=128"),
     (["model.n_kv_heads=3"], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
     (["optim.lr=-1"], 1, "optim.lr=-1"),

@@ -1,0 +1,50 @@
+"""Dropout randomness under tensor parallelism: one shared stream, one per-TP-rank stream.
+
+Activations that every TP rank holds identically (the residual stream without SP) must drop the same
+elements on every rank, so that dropout there uses the default generator, seeded identically everywhere.
+Activations that are split over TP ranks (attention heads, sequence shards under SP) are different data
+on each rank and need different masks, so dropout there runs inside `tracker.fork()`, which swaps in a
+generator seeded by (seed, tp_rank) and swaps the default one back afterwards (Megatron's
+"model-parallel RNG", Shoeybi et al. 2019 §B.2).
+
+The tracker's state is saved with checkpoints beside the default generators', and activation
+recomputation must replay both (see train.recompute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+TP_SEED_OFFSET = 2718  # keeps the TP stream apart from the default stream of the same seed
+
+
+class TPRNGTracker:
+    """A generator state for TP-split regions, swapped in and out of the device's default generator."""
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+        self.device = device
+        generator = torch.Generator(device=device)  # same state format as the device's default generator
+        generator.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
+        self.state = generator.get_state()
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self):
+        """Run the block on the per-TP-rank stream, then restore the default stream where it was."""
+        outside = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(outside)
