@@ -19,8 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lite.parallel.mappings import (
+    SEQ_DIM,
+    _all_gather,
+    _reduce_scatter,
     copy_to_tp,
-    gather_from_sp,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
@@ -44,6 +46,27 @@ def _mark_sharded(p: nn.Parameter, dim: int) -> nn.Parameter:
     return p
 
 
+class _SequenceGatherLinear(torch.autograd.Function):
+    """Column-parallel matmul on a sequence shard: all-gather the shard, multiply, and keep only the *shard*
+    for backward, where it is gathered again (Korthikanti et al. 2022 §4.2.2). Saving the gathered input
+    instead would cost tp times the memory that sequence parallelism is meant to save."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(_all_gather(x_shard, SEQ_DIM, group), weight, bias)  # (b, s, out/tp)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_shard, weight = ctx.saved_tensors
+        x = _all_gather(x_shard, SEQ_DIM, ctx.group)  # (b, s, in), gathered again
+        grad_x = grad_out @ weight
+        grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
+        grad_b = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return _reduce_scatter(grad_x, SEQ_DIM, ctx.group), grad_w, grad_b, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r with W split by output rows. Input: replicated (or sequence shards with SP)."""
 
@@ -62,9 +85,9 @@ class ColumnParallelLinear(nn.Module):
         return cls(w, b, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (b, s/tp, h) -> (b, s, h) with SP; replicated (b, s, h) otherwise
-        x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        if self.sequence_parallel:  # x: (b, s/tp, h) sequence shard
+            return _SequenceGatherLinear.apply(x, self.weight, self.bias, self.tp_group)
+        return F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
