@@ -216,6 +216,9 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     model_cfg = _model_cfg_from_meta(meta)
     if meta["kind"] == "weights":
         return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True)
+    if meta["layout"].get("tp", 1) > 1:
+        raise ValueError(f"{path} was written at parallel.tp={meta['layout']['tp']}; merging tensor-parallel shards "
+                         "into full weights is not in this build yet (only tp=1 checkpoints export)")
     if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]

@@ -181,7 +181,7 @@ def main(argv=None) -> None:
         else:
             export_hf(args.checkpoint_path, args.hf_dir)
             print(f"wrote {args.hf_dir}")
-    except ConversionError as err:
+    except (ValueError, FileNotFoundError) as err:  # ConversionError, unsupported checkpoint layouts
         sys.exit(f"convert_hf: {err}")
 
 

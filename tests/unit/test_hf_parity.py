@@ -77,3 +77,14 @@ def test_unsupported_models_are_refused_in_one_line(kw):
     cfg = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100, **kw)
     with pytest.raises(ConversionError, match="bias"):
         hf_to_ours({}, cfg)
+
+
+def test_export_from_a_tensor_parallel_checkpoint_is_refused_clearly(tmp_path):
+    import json
+
+    step = tmp_path / "step_0000002"
+    step.mkdir()
+    (step / "meta.json").write_text(json.dumps({"kind": "deepspeed", "config": {"model": {}},
+                                                "layout": {"tp": 2, "zero_stage": 1}}))
+    with pytest.raises(ValueError, match="parallel.tp=2; merging tensor-parallel shards"):
+        load_model_state(str(step))
