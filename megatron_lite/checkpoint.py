@@ -141,10 +141,12 @@ def prune(root: str, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def needs_universal(meta: dict, dp_size: int, zero_stage: int) -> bool:
-    """A ZeRO checkpoint must go through the universal format when the DP size or stage changes."""
-    layout = meta["layout"]
-    return layout["zero_stage"] > 0 and (layout["dp"] != dp_size or layout["zero_stage"] != zero_stage)
+def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int) -> bool:
+    """A ZeRO checkpoint goes through the universal format when the DP or TP size or the stage changes."""
+    layout = meta.get("layout")
+    if meta.get("kind") != "deepspeed" or layout["zero_stage"] == 0:
+        return False
+    return (layout["dp"], layout.get("tp", 1), layout["zero_stage"]) != (dp_size, tp_size, zero_stage)
 
 
 def prepare_universal(path: str, ctx) -> None:
@@ -168,7 +170,7 @@ def prepare_universal(path: str, ctx) -> None:
 def load(engine, ctx, path: str, zero_stage: int, tp_rng=None) -> dict:
     """Collective: load `path` into the engine, restore this rank's RNG streams; return meta."""
     meta = read_meta(path)
-    if needs_universal(meta, ctx.dp_size, zero_stage):
+    if needs_universal(meta, ctx.dp_size, ctx.tp_size, zero_stage):
         prepare_universal(path, ctx)
         engine.load(path, UNIVERSAL)
     else:
@@ -245,11 +247,11 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
                               f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
-        saved_tp = meta["layout"].get("tp", 1)
-        if saved_tp != cfg.parallel.tp:
+        saved_tp, saved_stage = meta["layout"].get("tp", 1), meta["layout"]["zero_stage"]
+        if saved_tp != cfg.parallel.tp and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
-                              f"(TP resharding is not in this build yet); use parallel.tp={saved_tp}")
-        saved_stage = meta["layout"]["zero_stage"]
+                              f"with zero.stage={saved_stage}; TP resharding works between ZeRO stages 1 and 2: "
+                              f"use parallel.tp={saved_tp}, or save and resume with zero.stage=1 or 2")
         if saved_stage != cfg.zero.stage and 0 in (saved_stage, cfg.zero.stage):
             raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "
                               f"use zero.stage={saved_stage} (ZeRO 1, 2 and 3 convert into each other, 0 does not)")

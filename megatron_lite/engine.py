@@ -44,11 +44,11 @@ def _offload(device: str, nvme_path: str, pin: bool) -> dict:
     return out
 
 
-def deepspeed_config(cfg: Config, dp_size: int, checkpoint_dp_size: int | None = None) -> dict:
+def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) -> dict:
     """Translate our config into DeepSpeed's JSON config.
 
-    checkpoint_dp_size: the DP size of the checkpoint about to be loaded; when it differs from dp_size the
-    engine is told to load DeepSpeed's universal (layout-free) format, which the checkpoint module prepares.
+    load_universal: the checkpoint about to be loaded was written with another layout (DP or TP size, ZeRO
+    stage), so the engine must read DeepSpeed's universal format, which the checkpoint module prepares.
     """
     t, z, o = cfg.train, cfg.zero, cfg.optim
     accum = t.global_batch_size // (t.micro_batch_size * dp_size)
@@ -86,9 +86,50 @@ def deepspeed_config(cfg: Config, dp_size: int, checkpoint_dp_size: int | None =
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    if checkpoint_dp_size is not None and checkpoint_dp_size != dp_size:
+    if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds
+
+
+def tp_universal_patterns(model_cfg, tp: int) -> dict:
+    """How each tensor-parallel parameter was split, in DeepSpeed's universal-checkpoint vocabulary, so that
+    its converter can merge TP shards and its loader can cut them for another tp (see parallel/layers.py)."""
+    if tp == 1:
+        return {}
+    from dataclasses import asdict
+
+    from deepspeed.checkpoint.constants import (
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        PARAMETER_WITH_SUB_PARAMS,
+        SUB_PARAM_SHARD_WIDTHS,
+        TP_REPLICATED_PARAMETER_PATTERNS,
+        VOCABULARY_PARAMETER_PATTERNS,
+    )
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+
+    h, hd = model_cfg.d_model, model_cfg.head_dim
+    segments = {r"blocks\.\d+\.attn\.qkv": (model_cfg.n_heads * hd, model_cfg.kv_heads * hd, model_cfg.kv_heads * hd)}
+    if model_cfg.activation == "swiglu":
+        segments[r"blocks\.\d+\.mlp\.fc_in"] = (model_cfg.ffn, model_cfg.ffn)
+    sub_params, widths = [], {}
+    for prefix, sizes in segments.items():
+        for kind in ("weight", "bias") if model_cfg.bias else ("weight",):
+            shape = (sizes, h) if kind == "weight" else (sizes,)
+            pattern = prefix + r"\." + kind
+            sub_params.append(asdict(SubparamShape(patterns=[pattern], shape=shape, partition_dim=0)))
+            widths[pattern] = [[size // tp] * tp for size in sizes]
+    # DeepSpeed's converter refuses patterns that match nothing, so list only what this model has.
+    replicated = [r".*norm.*"]
+    replicated += [r"wpe\.weight"] if model_cfg.position == "learned" else []
+    replicated += [r".*attn\.proj\.bias", r".*mlp\.fc_out\.bias"] if model_cfg.bias else []
+    return {
+        TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r".*attn\.proj\.weight", r".*mlp\.fc_out\.weight"],
+        VOCABULARY_PARAMETER_PATTERNS: [r"wte\.weight"] + ([] if model_cfg.tie_embeddings else [r"lm_head\.weight"]),
+        "original_vocab_size": model_cfg.vocab_size,  # padded rows are dropped and re-padded with zeros
+        PARAMETER_WITH_SUB_PARAMS: sub_params,
+        SUB_PARAM_SHARD_WIDTHS: widths,
+    }
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -114,11 +155,11 @@ class Engine:
     """One model replica's DeepSpeed engine plus the train/eval micro-batch loops."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext,
-                 checkpoint_dp_size: int | None = None):
+                 load_universal: bool = False):
         import deepspeed
 
         self.cfg, self.ctx = cfg, ctx
-        self.ds_config = deepspeed_config(cfg, ctx.dp_size, checkpoint_dp_size)
+        self.ds_config = deepspeed_config(cfg, ctx.dp_size, load_universal)
         self.accum = self.ds_config["gradient_accumulation_steps"]
         self.module, _, _, _ = deepspeed.initialize(
             model=model.to(ctx.device),
@@ -188,8 +229,9 @@ class Engine:
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
             UNIVERSAL_CHECKPOINT_VERSION_VALUE
 
-        # The universal-format description lets a later job with another DP size/ZeRO stage convert this.
-        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        # The universal-format description lets a later job with another layout convert this checkpoint.
+        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+                **tp_universal_patterns(self.cfg.model, self.ctx.tp_size)}
         self.module.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info},
                                     save_latest=False)
 

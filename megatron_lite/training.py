@@ -75,8 +75,8 @@ def run(cfg: Config) -> dict:
         model.load_state_dict(weights)
     tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
     model = parallelize(model, ctx.tp_group, cfg.parallel.sp, tp_rng)  # shards the full weights: same model as tp=1
-    ckpt_dp = meta["layout"]["dp"] if meta is not None and meta["kind"] == "deepspeed" else None
-    engine = Engine(cfg, model, ctx, checkpoint_dp_size=ckpt_dp)
+    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage)
+    engine = Engine(cfg, model, ctx, load_universal=universal)
 
     start_step, consumed, wandb_id = 0, 0, None
     if meta is not None:
