@@ -149,10 +149,10 @@ def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int) -> 
     return (layout["dp"], layout.get("tp", 1), layout["zero_stage"]) != (dp_size, tp_size, zero_stage)
 
 
-def prepare_universal(path: str, ctx) -> None:
-    """Rank 0 converts `path` into path/universal once (atomically); everyone waits for it."""
+def convert_to_universal(path: str) -> str:
+    """Convert the ZeRO checkpoint `path` into path/universal once (atomically); one process, no groups."""
     target = os.path.join(path, UNIVERSAL)
-    if ctx.is_first and not os.path.isfile(os.path.join(target, "done")):
+    if not os.path.isfile(os.path.join(target, "done")):
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
         tmp = target + ".tmp"
@@ -164,6 +164,13 @@ def prepare_universal(path: str, ctx) -> None:
         ))
         open(os.path.join(tmp, "done"), "w").close()
         os.replace(tmp, target)
+    return target
+
+
+def prepare_universal(path: str, ctx) -> None:
+    """Rank 0 converts `path` to the universal format; everyone waits for it."""
+    if ctx.is_first:
+        convert_to_universal(path)
     dist.barrier()
 
 
@@ -207,6 +214,27 @@ def _model_cfg_from_meta(meta: dict) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _merged_tp_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
+    """Full fp32 weights of a tensor-parallel checkpoint: DeepSpeed's universal conversion merges the TP
+    shards with the split patterns saved beside them; vocabulary rows come back unpadded."""
+    if meta["layout"]["zero_stage"] == 0:
+        raise ValueError(f"{path} was written at parallel.tp={meta['layout']['tp']} with zero.stage=0; merging its "
+                         "shards needs a ZeRO 1-3 checkpoint (resume it with zero.stage=1 and save again)")
+    from megatron_lite.model.gpt import padded_vocab_size
+
+    zero_dir = os.path.join(convert_to_universal(path), "zero")
+    rows = padded_vocab_size(model_cfg)
+    state = {}
+    for name in sorted(os.listdir(zero_dir)):
+        if not os.path.isdir(os.path.join(zero_dir, name)):
+            continue
+        full = torch.load(os.path.join(zero_dir, name, "fp32.pt"), weights_only=False)["param"].float()
+        if name in ("wte.weight", "lm_head.weight") and full.shape[0] < rows:
+            full = torch.cat([full, full.new_zeros(rows - full.shape[0], full.shape[1])])
+        state[name] = full
+    return state
+
+
 def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
     if os.path.isfile(os.path.join(path, LATEST)):
@@ -219,8 +247,7 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     if meta["kind"] == "weights":
         return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True)
     if meta["layout"].get("tp", 1) > 1:
-        raise ValueError(f"{path} was written at parallel.tp={meta['layout']['tp']}; merging tensor-parallel shards "
-                         "into full weights is not in this build yet (only tp=1 checkpoints export)")
+        return model_cfg, _merged_tp_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]

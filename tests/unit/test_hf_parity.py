@@ -79,12 +79,12 @@ def test_unsupported_models_are_refused_in_one_line(kw):
         hf_to_ours({}, cfg)
 
 
-def test_export_from_a_tensor_parallel_checkpoint_is_refused_clearly(tmp_path):
+def test_export_from_a_tp_zero0_checkpoint_is_refused_clearly(tmp_path):
     import json
 
     step = tmp_path / "step_0000002"
     step.mkdir()
     (step / "meta.json").write_text(json.dumps({"kind": "deepspeed", "config": {"model": {}},
-                                                "layout": {"tp": 2, "zero_stage": 1}}))
-    with pytest.raises(ValueError, match="parallel.tp=2; merging tensor-parallel shards"):
+                                                "layout": {"tp": 2, "zero_stage": 0}}))
+    with pytest.raises(ValueError, match="parallel.tp=2 with zero.stage=0"):
         load_model_state(str(step))
