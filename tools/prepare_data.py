@@ -4,13 +4,16 @@
     python tools/prepare_data.py --input my_docs/ more.jsonl.gz --text-key body --tokenizer <dir> --out data/mine
 
 Inputs: files or directories of .txt (one document per file), .json/.jsonl (one document per record,
-field --text-key) and .parquet, optionally gzipped; default: the bundled Shakespeare corpus. HF `datasets`
+field --text-key) and .parquet, optionally gzipped; default: the bundled Shakespeare corpus. Inside a
+directory, files of other types are skipped (and listed); a file named on the command line must be one of these. HF `datasets`
 reads them (offline), a local HF tokenizer encodes them with `.map(batched=True)` (progress bar), an eos
 token ends every document. Documents are split into train/val by a seeded shuffle (val = the last
 --val-fraction of documents, at least one).
 
-Output (written to a temporary directory, then renamed, so a killed run leaves nothing half-written):
-  train.bin, val.bin           flat token ids (uint16 when the vocabulary fits, else uint32)
+Output (written to a temporary directory, then renamed, so a killed run leaves nothing half-written; an
+existing --out is replaced only if it is empty or a previous output, i.e. has a meta.json):
+  train.bin, val.bin           flat token ids (uint16 when the vocabulary fits, else uint32); val is empty
+                               (with a warning) when there is a single document
   train.idx.npy, val.idx.npy   int64 start offset of every document (the index)
   meta.json                    dtype, vocab_size, eos_id, tokenizer, token and document counts, sources
 """
@@ -47,39 +50,61 @@ def _builder(path: str) -> str:
     return BUILDERS[ext]
 
 
+def _supported(path: str) -> bool:
+    stem = path[:-3] if path.endswith(".gz") else path
+    return os.path.splitext(stem)[1] in BUILDERS
+
+
 def collect_files(inputs: list[str]) -> dict[str, list[str]]:
     """Group input files by HF `datasets` builder (text/json/parquet)."""
     groups: dict[str, list[str]] = {}
     for item in inputs:
         item = _resolve(item)
-        files = ([os.path.join(d, f) for d, _, fs in sorted(os.walk(item)) for f in sorted(fs)]
-                 if os.path.isdir(item) else [item])
+        if not os.path.exists(item):
+            raise SystemExit(f"prepare_data: --input {item} does not exist")
+        if os.path.isdir(item):
+            found = [os.path.join(d, f) for d, _, fs in sorted(os.walk(item)) for f in sorted(fs)]
+            files = [f for f in found if _supported(f)]
+            if skipped := [os.path.relpath(f, item) for f in found if not _supported(f)]:
+                print(f"prepare_data: skipping {len(skipped)} file(s) of other types in {item}: "
+                      f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
+            if not files:
+                raise SystemExit(f"prepare_data: --input {item} holds no .txt, .json, .jsonl or .parquet files")
+        else:
+            files = [item]
         for f in files:
-            if not os.path.exists(f):
-                raise SystemExit(f"prepare_data: --input {f} does not exist")
             groups.setdefault(_builder(f), []).append(f)
     return groups
 
 
 def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
+    """One dataset with a single "text" column, one row per document."""
     import datasets
 
-    parts = []
-    for builder, files in groups.items():
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
-        if text_key not in ds.column_names:
-            raise SystemExit(f"prepare_data: --text-key {text_key} is not a field of {files[0]} "
-                             f"(fields: {', '.join(ds.column_names)})")
-        parts.append(ds.select_columns([text_key]).rename_column(text_key, "text") if text_key != "text"
-                     else ds.select_columns(["text"]))
+    # HF_DATASETS_OFFLINE (set above) is read when `datasets` is first imported; an in-process caller may
+    # have imported it earlier, and then every packaged loader pings the Hub (3 s time-out) for local files.
+    was_offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
+    try:
+        parts = []
+        for builder, files in groups.items():
+            kwargs = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+            if text_key not in ds.column_names:
+                raise SystemExit(f"prepare_data: --text-key {text_key} is not a field of {files[0]} "
+                                 f"(fields: {', '.join(ds.column_names)})")
+            parts.append(ds.select_columns([text_key]).rename_column(text_key, "text") if text_key != "text"
+                         else ds.select_columns(["text"]))
+    finally:
+        datasets.config.HF_HUB_OFFLINE = was_offline
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 
 def write_split(ds, out_dir: str, name: str, dtype) -> tuple[int, int]:
-    lengths = np.asarray(ds["length"], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    """Write <name>.bin and <name>.idx.npy; return (tokens, documents)."""
+    lengths = np.asarray(ds["length"], dtype=np.int64).reshape(-1)  # (n_docs,), eos included
+    offsets = np.cumsum(lengths) - lengths  # (n_docs,) start of each document
     total = int(lengths.sum())
+    # numpy cannot map an empty file: an empty split gets one padding element (meta.json says 0 tokens).
     tokens = np.memmap(os.path.join(out_dir, f"{name}.bin"), dtype=dtype, mode="w+", shape=(max(total, 1),))
     for start, batch in zip(range(0, len(ds), 1024), ds.iter(batch_size=1024)):
         flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids in batch["ids"]])
@@ -87,6 +112,17 @@ def write_split(ds, out_dir: str, name: str, dtype) -> tuple[int, int]:
     tokens.flush()
     np.save(os.path.join(out_dir, f"{name}.idx.npy"), offsets)
     return total, len(ds)
+
+
+def _swap_in(tmp: str, out: str) -> None:
+    """Move the finished tmp dir to out; a previous out is moved aside first and deleted last."""
+    old = None
+    if os.path.exists(out):
+        old = tempfile.mkdtemp(prefix=".prepare_old_", dir=os.path.dirname(out))
+        os.replace(out, os.path.join(old, "data"))
+    os.replace(tmp, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv=None) -> dict:
@@ -99,6 +135,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=1234, help="seed of the train/val document split")
     ap.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
     args = ap.parse_args(argv)
+    if not 0 <= args.val_fraction < 1:
+        raise SystemExit(f"prepare_data: --val-fraction {args.val_fraction} must be in [0, 1); use e.g. 0.01")
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"prepare_data: --out {args.out} is a file; give a directory path")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, "meta.json")):
+        raise SystemExit(f"prepare_data: --out {args.out} exists and is not prepared data (no meta.json); "
+                         "it would be replaced, so pick a new directory or empty it first")
 
     from transformers import AutoTokenizer
 
@@ -108,13 +152,14 @@ def main(argv=None) -> dict:
     if eos is None:
         raise SystemExit(f"prepare_data: tokenizer {args.tokenizer} has no eos token; documents need a separator")
     dtype = np.uint16 if len(tokenizer) < 2**16 else np.uint32
-    out = os.path.abspath(args.out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".prepare_", dir=parent)
     try:
         groups = collect_files(args.input)
         docs = load_documents(groups, args.text_key, cache_dir=os.path.join(tmp, "hf_cache"))
+        if len(docs) == 0:
+            raise SystemExit(f"prepare_data: --input {' '.join(args.input)} holds no documents")
 
         def encode(batch):
             ids = [row + [eos] for row in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
@@ -122,22 +167,26 @@ def main(argv=None) -> dict:
 
         docs = docs.map(encode, batched=True, remove_columns=["text"], num_proc=args.num_proc,
                         desc="tokenizing")
-        n_val = min(max(1, round(len(docs) * args.val_fraction)), len(docs) - 1) if len(docs) > 1 else 0
+        # At least one val document, but never all of them: a single document leaves val empty.
+        n_val = min(max(1, round(len(docs) * args.val_fraction)), len(docs) - 1)
+        if n_val == 0:
+            print("prepare_data: warning: a single document, so the val split is empty "
+                  "(train with train.eval_interval=0 or give more documents)", file=sys.stderr)
         order = np.random.default_rng(args.seed).permutation(len(docs))
         train_ds, val_ds = docs.select(sorted(order[: len(docs) - n_val])), docs.select(sorted(order[len(docs) - n_val:]))
         train_tokens, n_train = write_split(train_ds, tmp, "train", dtype)
-        val_tokens, n_val = write_split(val_ds, tmp, "val", dtype) if n_val else (0, 0)
+        val_tokens, n_val = write_split(val_ds, tmp, "val", dtype)
         meta = {
             "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer), "eos_id": eos, "tokenizer": args.tokenizer,
             "train_tokens": train_tokens, "val_tokens": val_tokens, "n_docs_train": n_train, "n_docs_val": n_val,
-            "sources": [os.path.relpath(f, ROOT) if f.startswith(ROOT) else f for fs in groups.values() for f in fs],
+            "sources": [os.path.relpath(f, ROOT) if f.startswith(ROOT + os.sep) else f
+                        for fs in groups.values() for f in fs],
         }
         shutil.rmtree(os.path.join(tmp, "hf_cache"), ignore_errors=True)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        shutil.rmtree(out, ignore_errors=True)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        os.replace(tmp, out)
+        _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -39,6 +39,15 @@ def train_bpe(out_dir: str, vocab_size: int = 8192) -> None:
     tok.train_from_iterator(corpus_texts(), trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
                             unk_token=EOS).save_pretrained(out_dir)
+    # transformers 5 records its own class name, TokenizersBackend, which 4.x (allowed by pyproject) cannot
+    # resolve; PreTrainedTokenizerFast names the same class in 5.x and loads in both.
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def gpt2_dir(out_dir: str) -> None:

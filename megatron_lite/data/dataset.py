@@ -15,7 +15,11 @@ import torch
 
 
 class TokenData:
-    """Read-only memmaps of a prepared directory: `train`, `val` (flat token arrays) and `meta`."""
+    """Read-only memmaps of a prepared directory: `train`, `val` (flat token arrays) and `meta`.
+
+    The .bin files hold at least one element (numpy cannot map an empty file), so the arrays are cut to
+    the token counts in meta.json; an empty val split comes back as a zero-length array.
+    """
 
     def __init__(self, path: str):
         with open(os.path.join(path, "meta.json")) as f:
@@ -36,16 +40,15 @@ class WindowDataset:
         self.tokens, self.seq_len = tokens, seq_len
         self.n = (len(tokens) - 1) // seq_len
         if self.n < 1:
-            raise ValueError(f"{len(tokens)} tokens make no sample of seq_len + 1 = {seq_len + 1} tokens; "
-                             "use more data or a smaller model.seq_len")
+            raise ValueError(f"a split of {len(tokens)} tokens makes no sample of model.seq_len + 1 = {seq_len + 1} "
+                             "tokens; use more data (for val: a larger --val-fraction in tools/prepare_data.py, "
+                             "or train.eval_interval=0) or a smaller model.seq_len")
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.n:  # past the end numpy would return a short window without complaint
+            raise IndexError(f"sample {i} out of range for {self.n} samples")
         start = i * self.seq_len
         return torch.from_numpy(self.tokens[start: start + self.seq_len + 1].astype(np.int64))
-
-    def stack(self, indices) -> torch.Tensor:
-        """(len(indices), seq_len + 1) int64."""
-        return torch.stack([self[int(i)] for i in indices])

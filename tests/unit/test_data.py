@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from megatron_lite.data.dataset import TokenData, WindowDataset
-from megatron_lite.data.sampler import GlobalOrder, MicroBatches, val_batches
+from megatron_lite.data.sampler import MicroBatches, global_sample_index, val_batches
 from tools import prepare_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,55 +19,110 @@ DOCS = ["To be, or not to be: that is the question.", "Now is the winter of our 
         "Friends, Romans, countrymen, lend me your ears;", "All the world's a stage"]
 
 
-def test_bundled_tokenizers_load_with_autotokenizer():
+@pytest.fixture(scope="module")
+def tok8k():
+    return AutoTokenizer.from_pretrained(TOK8K)
+
+
+def test_bundled_tokenizers_load_with_autotokenizer(tok8k):
     gpt2 = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tokenizers", "gpt2"))
     assert len(gpt2) == 50257 and gpt2.eos_token_id == 50256
     assert gpt2("Hello world!")["input_ids"] == [15496, 995, 0]
-    small = AutoTokenizer.from_pretrained(TOK8K)
-    assert len(small) == 8192 and small.decode(small(DOCS[0])["input_ids"]) == DOCS[0]
+    assert len(tok8k) == 8192 and tok8k.eos_token == "<|endoftext|>"
+    assert tok8k.decode(tok8k(DOCS[0])["input_ids"]) == DOCS[0]
+    with open(os.path.join(TOK8K, "tokenizer_config.json")) as f:  # a class name transformers 4.x knows too
+        assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
-@pytest.mark.parametrize("fmt", ["txt", "jsonl.gz", "parquet"])
-def test_prepare_data_round_trips_documents(fmt, tmp_path):
-    src = tmp_path / "src"
+def write_docs(src, fmt: str, docs=DOCS) -> list[str]:
+    """Write docs in one format under src; return the extra prepare_data arguments it needs."""
     src.mkdir()
     if fmt == "txt":
-        for i, doc in enumerate(DOCS):
+        for i, doc in enumerate(docs):
             (src / f"{i}.txt").write_text(doc)
-    elif fmt == "jsonl.gz":
-        with gzip.open(src / "docs.jsonl.gz", "wt") as f:
-            f.writelines(json.dumps({"body": d}) + "\n" for d in DOCS)
+    elif fmt in ("jsonl", "jsonl.gz"):
+        key = "body" if fmt == "jsonl.gz" else "text"  # also exercises --text-key
+        lines = "".join(json.dumps({key: d, "title": "t"}) + "\n" for d in docs)
+        if fmt == "jsonl":
+            (src / "docs.jsonl").write_text(lines)
+        else:
+            with gzip.open(src / "docs.jsonl.gz", "wt") as f:
+                f.write(lines)
+        return ["--text-key", key]
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.table({"text": DOCS}), src / "docs.parquet")
-    out = tmp_path / "out"
-    key = ["--text-key", "body"] if fmt == "jsonl.gz" else []
-    meta = prepare_data.main(["--input", str(src), "--tokenizer", TOK8K, "--out", str(out), "--val-fraction",
-                              "0.25", *key])
+        pq.write_table(pa.table({"text": docs}), src / "docs.parquet")
+    return []
+
+
+def split_texts(out, split: str, tok) -> list[str]:
+    """Decode every document of a prepared split, checking it ends in (and only in) eos."""
     data = TokenData(str(out))
-    assert meta == data.meta and meta["n_docs_train"] == 3 and meta["n_docs_val"] == 1
-    tok = AutoTokenizer.from_pretrained(TOK8K)
-    eos = tok.eos_token_id
+    tokens = np.asarray(getattr(data, split))
+    offsets = np.load(out / f"{split}.idx.npy")
+    assert offsets.dtype == np.int64 and (len(offsets) == 0 or offsets[0] == 0)
     texts = []
-    for split in ("train", "val"):
-        tokens = np.asarray(getattr(data, split))
-        offsets = np.load(out / f"{split}.idx.npy")
-        ends = list(offsets[1:]) + [len(tokens)]
-        for start, end in zip(offsets, ends):
-            assert tokens[end - 1] == eos and eos not in tokens[start:end - 1]
-            texts.append(tok.decode(tokens[start:end - 1].tolist()))
-    assert sorted(texts) == sorted(DOCS)
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".prepare_")]  # no temp dir left
+    for start, end in zip(offsets, [*offsets[1:], len(tokens)]):
+        assert tokens[end - 1] == tok.eos_token_id and tok.eos_token_id not in tokens[start:end - 1]
+        texts.append(tok.decode(tokens[start:end - 1].tolist()))
+    return texts
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "jsonl.gz", "parquet"])
+def test_prepare_data_round_trips_documents(fmt, tmp_path, tok8k):
+    extra = write_docs(tmp_path / "src", fmt)
+    out = tmp_path / "out"
+    meta = prepare_data.main(["--input", str(tmp_path / "src"), "--tokenizer", TOK8K, "--out", str(out),
+                              "--val-fraction", "0.25", "--seed", "3", *extra])
+    data = TokenData(str(out))
+    lengths = [len(tok8k(d, add_special_tokens=False)["input_ids"]) + 1 for d in DOCS]  # + eos
+    val_doc = np.random.default_rng(3).permutation(len(DOCS))[-1]  # the last document after the seeded shuffle
+    assert meta == data.meta == {
+        "dtype": "uint16", "vocab_size": 8192, "eos_id": tok8k.eos_token_id, "tokenizer": TOK8K,
+        "train_tokens": sum(lengths) - lengths[val_doc], "val_tokens": lengths[val_doc],
+        "n_docs_train": 3, "n_docs_val": 1, "sources": meta["sources"]}
+    assert len(meta["sources"]) == (4 if fmt == "txt" else 1)
+    assert data.train.dtype == np.uint16 and not data.train.flags.writeable
+    assert split_texts(out, "train", tok8k) == [d for i, d in enumerate(DOCS) if i != val_doc]
+    assert split_texts(out, "val", tok8k) == [DOCS[val_doc]]
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]  # no temp dir left behind
+
+
+def test_prepare_data_single_document_has_empty_val(tmp_path, tok8k):
+    write_docs(tmp_path / "src", "txt", DOCS[:1])
+    meta = prepare_data.main(["--input", str(tmp_path / "src"), "--tokenizer", TOK8K, "--out", str(tmp_path / "out")])
+    data = TokenData(str(tmp_path / "out"))
+    assert (meta["n_docs_train"], meta["n_docs_val"], meta["val_tokens"], len(data.val)) == (1, 0, 0, 0)
+    assert split_texts(tmp_path / "out", "train", tok8k) == DOCS[:1]
+    with pytest.raises(ValueError, match="val-fraction"):
+        WindowDataset(data.val, seq_len=8)
+
+
+def test_prepare_data_replaces_only_its_own_output(tmp_path):
+    write_docs(tmp_path / "src", "txt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("not data")
+    args = ["--input", str(tmp_path / "src"), "--tokenizer", TOK8K, "--out", str(out)]
+    with pytest.raises(SystemExit, match="not prepared data"):
+        prepare_data.main(args)
+    assert os.listdir(out) == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    first = prepare_data.main(args)
+    assert prepare_data.main(args) == first  # a previous output is replaced, the split is deterministic
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
 
 
 def test_windows_overlap_by_one_token():
     ds = WindowDataset(np.arange(100, dtype=np.uint16), seq_len=8)
-    assert len(ds) == 12 and ds[0].dtype == torch.int64
-    assert ds[1].tolist() == list(range(8, 17))
+    assert len(ds) == 12 and ds[0].dtype == torch.int64 and ds[0].shape == (9,)
+    assert ds[1].tolist() == list(range(8, 17)) and ds[11].tolist() == list(range(88, 97))
+    with pytest.raises(IndexError):
+        ds[12]
     with pytest.raises(ValueError, match="seq_len"):
-        WindowDataset(np.arange(5, dtype=np.uint16), seq_len=8)
+        WindowDataset(np.arange(8, dtype=np.uint16), seq_len=8)
 
 
 class Identity:
@@ -79,36 +134,41 @@ class Identity:
     def __len__(self):
         return self.n
 
-    def stack(self, indices):
-        return torch.tensor([[int(i)] for i in indices])
+    def __getitem__(self, i):
+        return torch.tensor([i])
 
 
 def step_samples(dp: int, steps: int, consumed: int = 0, seed: int = 7, n: int = 50) -> list[list[int]]:
-    """Per step, the samples all DP ranks see, in (micro-batch, rank) order."""
+    """Per step of a global batch of 16, the samples all DP ranks see, in (micro-batch, rank) order."""
     ranks = [MicroBatches(Identity(n), seed, 16, 2, r, dp, consumed) for r in range(dp)]
     out = []
     for _ in range(steps):
         per_rank = [[b.flatten().tolist() for b in r.next_step()] for r in ranks]
-        accum = len(per_rank[0])
-        out.append([s for j in range(accum) for r in range(dp) for s in per_rank[r][j]])
+        assert all(len(batches) == 16 // (2 * dp) for batches in per_rank)
+        out.append([s for j in range(16 // (2 * dp)) for r in range(dp) for s in per_rank[r][j]])
+    assert all(r.consumed_samples == consumed + 16 * steps for r in ranks)
     return out
 
 
 def test_global_order_is_independent_of_dp_size():
-    one = step_samples(1, 6)
-    assert step_samples(2, 6) == one and step_samples(4, 6) == one and step_samples(8, 6) == one
+    one = step_samples(1, 6)  # 96 samples of a 50-sample dataset: crosses an epoch boundary
+    assert one == [[global_sample_index(7, 50, k * 16 + m) for m in range(16)] for k in range(6)]
+    for dp in (2, 4, 8):
+        steps = step_samples(dp, 6)
+        assert [set(s) for s in steps] == [set(s) for s in one]  # the same samples per step ...
+        assert steps == one  # ... and the (micro-batch, rank) concatenation is the dp=1 order
 
 
 def test_resume_from_consumed_samples_continues_the_stream():
     assert step_samples(2, 3, consumed=3 * 16) == step_samples(2, 6)[3:]
+    assert step_samples(4, 3, consumed=3 * 16) == step_samples(1, 6)[3:]  # resumed at another dp size
 
 
 def test_epochs_reshuffle_and_seeds_differ():
-    order = GlobalOrder(10, seed=1)
-    e0, e1 = [order[i] for i in range(10)], [order[i] for i in range(10, 20)]
+    e0, e1 = [global_sample_index(1, 10, i) for i in range(10)], [global_sample_index(1, 10, i) for i in range(10, 20)]
     assert sorted(e0) == sorted(e1) == list(range(10)) and e0 != e1
-    other = GlobalOrder(10, seed=2)
-    assert [other[i] for i in range(10)] != e0
+    assert [global_sample_index(2, 10, i) for i in range(10)] != e0
+    assert global_sample_index(1, 10, 3) == e0[3]  # a pure function: asking again, out of order, agrees
 
 
 def test_val_batches_are_fixed_and_split_over_ranks():
@@ -116,4 +176,5 @@ def test_val_batches_are_fixed_and_split_over_ranks():
     whole = torch.cat(val_batches(ds, 2, 0, 1, 4)).flatten().tolist()
     parts = [val_batches(ds, 2, r, 2, 2) for r in range(2)]
     merged = [s for k in range(2) for r in range(2) for s in parts[r][k].flatten().tolist()]
-    assert merged == whole == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9][:8]
+    assert merged == whole == list(range(8))
+    assert torch.cat(val_batches(ds, 4, 0, 1, 3)).flatten().tolist() == [*range(10), 0, 1]  # wraps modulo len
