@@ -1,154 +1,260 @@
 """FLOPs model, MFU/HFU, and the per-step record to JSONL, console and wandb (global rank 0 only).
 
-FLOPs convention (DESIGN §2; the README states it for users). Per token and layer, the forward pass
-costs 2 x the multiply-adds of every matmul (h = d_model, a = n_heads, k = n_kv_heads, d_h = h / a,
-f = ffn_hidden, s = seq_len, V = vocab):
-    QKV projection      2 h (a + 2k) d_h
-    attention scores    2 s h   x 1/2 (causal: only the lower triangle is needed)
-    attention x values  2 s h   x 1/2
-    output projection   2 h h
-    MLP                 2 h f x (2 for GeLU, 3 for SwiGLU)
-plus the LM head 2 h V once per token. Training = 3 x forward (forward, input grad, weight grad).
-Embedding lookups, norms, softmax and element-wise ops are not counted. HFU adds the forward work that
-activation recomputation repeats: all layers for `full`, the attention core for `selective`.
+FLOPs convention (DESIGN §2; the README states it for users): an exact count of the GEMMs, 2 FLOPs per
+multiply-add. With h = d_model, a = n_heads, k = n_kv_heads, d = h / a, f = ffn_hidden, s = seq_len,
+V = vocab_size (the true vocabulary, not the padded embedding), one token costs in the forward pass
+
+    per layer   QKV projection       2 h (a + 2k) d
+                attention scores     2 s a d  x 1/2      (QK^T: s keys per query head; causal needs half)
+                attention x values   2 s a d  x 1/2
+                output projection    2 a d h
+                MLP                  2 h f  x 2 (GeLU: fc_in, fc_out) or x 3 (SwiGLU: gate, up, fc_out)
+    once        LM head              2 h V
+
+    F_fwd = n_layers (dense + core) + 2 h V,   model FLOPs per token = 3 F_fwd
+(forward, input gradient, weight gradient; Megatron-LM's "12 x" expansion, Narayanan et al. 2021,
+appendix). Causal attention is counted at exactly half of the full s x s score matrix (s/2 keys per
+query, as Megatron-LM's causal count and MaxText do), not the (s+1)/2 of the lower triangle including
+the diagonal. Not counted: embedding lookups, norms, softmax, RoPE, biases and other element-wise work.
+HFU adds what activation recomputation repeats in forward: every layer (dense + core) for `full`,
+the attention core for `selective`; the LM head is never recomputed.
+
+Left out on purpose: MoE and multi-token-prediction terms (no such models here).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+import netrc
 import os
+import secrets
+import string
 import sys
 import time
+from urllib.parse import urlparse
 
 import torch
 
 from megatron_lite.config import ModelConfig
 
-# Dense peak FLOP/s per device, from vendor datasheets (no sparsity).
-PEAK_TABLE = {  # name fragment: {dtype: FLOP/s}
-    "H200": {torch.bfloat16: 989e12, torch.float32: 494e12},   # fp32 via TF32 tensor cores
-    "H100": {torch.bfloat16: 989e12, torch.float32: 494e12},   # SXM figures
-    "A100": {torch.bfloat16: 312e12, torch.float32: 156e12},
-}
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+# Dense (no 2:4 sparsity) peak FLOP/s per device, from NVIDIA's datasheets: "NVIDIA H100 Tensor Core GPU"
+# (SXM / PCIe / NVL columns), "NVIDIA H200 Tensor Core GPU" (SXM / NVL), "NVIDIA A100 Tensor Core GPU".
+# The datasheets print tensor-core figures "with sparsity"; dense is half of those. bf16 also serves fp16;
+# "fp32" is the plain CUDA-core rate, "tf32" the tensor-core rate that fp32 matmuls get when TF32 is allowed.
+# Rows are matched in order against torch.cuda.get_device_name (every fragment must occur), most specific
+# first; e.g. "NVIDIA H100 80GB HBM3" is the SXM part, and "NVIDIA GH200 480GB" matches the H200 row, whose
+# figures equal the GH200's.
+PEAK_TABLE: tuple[tuple[tuple[str, ...], str, dict[str, float]], ...] = (
+    (("H100", "PCIe"), "H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    (("H100", "NVL"), "H100 NVL", {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (("H200", "NVL"), "H200 NVL", {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (("H200",), "H200 SXM", {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    (("H100",), "H100 SXM", {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    (("A100",), "A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+)
 
 
-def layer_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> tuple[float, float]:
-    """Forward FLOPs per token of one layer: (dense matmuls, attention core)."""
-    h, a, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.ffn
-    d_h = cfg.head_dim
-    qkv = 2 * h * (a + 2 * k) * d_h
-    out = 2 * h * a * d_h
+def layer_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> tuple[int, int]:
+    """Forward FLOPs per token of one transformer layer, split as (dense projections, attention core).
+
+    dense = 2 h (a + 2k) d + 2 a d h + 2 h f m  (m = 2 for GeLU, 3 for SwiGLU);
+    core = 2 * 2 s a d, halved when causal (scores QK^T and probabilities x V).
+    """
+    h, a, k, d, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn
+    qkv = 2 * h * (a + 2 * k) * d
+    out = 2 * a * d * h
     mlp = 2 * h * f * (3 if cfg.activation == "swiglu" else 2)
-    core = 2 * (2 * seq_len * a * d_h) * (0.5 if causal else 1.0)  # scores + values
-    return qkv + out + mlp, core
+    core = 2 * 2 * seq_len * a * d  # scores + values, the full s x s matrix
+    return qkv + out + mlp, core // 2 if causal else core  # 4 s a d is even, so the half is exact
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> int:
+    """F_fwd = n_layers (dense + core) + 2 h V (LM head over the true vocabulary)."""
     dense, core = layer_flops_per_token(cfg, seq_len, causal)
     return cfg.n_layers * (dense + core) + 2 * cfg.d_model * cfg.vocab_size
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Training FLOPs per token: 3 x forward."""
-    return 3 * forward_flops_per_token(cfg, seq_len, causal)
+    """Training FLOPs per token, 3 F_fwd, with (h, a, k, d, f, s, V as in the module docstring)
+
+        F_fwd = L [2h(a+2k)d + 2adh + 2hf·m + 2sad·(1/2 if causal else 1)] + 2hV,  m = 2 (GeLU) or 3 (SwiGLU).
+
+    `causal=False` counts the full score matrix (what torch's FlopCounterMode sees in SDPA's math path).
+    """
+    return float(3 * forward_flops_per_token(cfg, seq_len, causal))
 
 
 def step_flops(cfg: ModelConfig, tokens: int, recompute: str = "none") -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of length cfg.seq_len."""
-    model = model_flops_per_token(cfg, cfg.seq_len) * tokens
+    """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of sequences cfg.seq_len long.
+
+    hardware = model + the recomputed forward per token: L (dense + core) for `full`, L core for
+    `selective`, nothing for `none`. MFU = model / (time x devices x peak); HFU likewise with hardware.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     dense, core = layer_flops_per_token(cfg, cfg.seq_len)
-    extra = {"none": 0.0, "selective": cfg.n_layers * core, "full": cfg.n_layers * (dense + core)}[recompute]
-    return model, model + extra * tokens
+    extra = {"none": 0, "selective": cfg.n_layers * core, "full": cfg.n_layers * (dense + core)}[recompute]
+    model = 3 * forward_flops_per_token(cfg, cfg.seq_len) * tokens
+    return float(model), float(model + extra * tokens)
+
+
+def _cuda_tf32_allowed() -> bool:
+    """Whether fp32 matmuls run on TF32 tensor cores (torch's new fp32_precision API or the legacy flag)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:  # torch refuses to answer when the legacy and new APIs were mixed
+        return False
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_cpu_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # warm up
-    best = float("inf")
-    for _ in range(repeats):
+def _probe_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
+    """Best FLOP/s of up to `repeats` n x n x n matmuls (2 n^3 FLOPs each) after one warm-up; stops early
+    once `budget_s` is spent (a loaded machine) with at least two timings taken."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    sync()
+    times = []
+    while len(times) < repeats and (len(times) < 2 or time.perf_counter() - start < budget_s):
         t0 = time.perf_counter()
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(times)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """Peak FLOP/s of one device and where the number comes from."""
+def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where that number comes from), for MFU's denominator.
+
+    CUDA: the datasheet table above, keyed by torch.cuda.get_device_name; a GPU not in it is probed
+    (8192^3 matmuls). CPU: there is no meaningful datasheet figure, so a short probe measures it (best of up
+    to 5 fp32/bf16 1024^3 matmuls on torch's current threads, 0.1-0.4 s on 2 cores) and says so; a loaded
+    machine measures low, which inflates MFU. Probes are cached per (device, dtype).
+    """
+    device = torch.device(device)
+    name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peaks in PEAK_TABLE.items():
-            if fragment in name and dtype in peaks:
-                return peaks[dtype], f"datasheet, {name}"
-        return _probe_cuda_flops(dtype), f"measured matmul probe on {name} (not in the peak table)"
-    return _probe_cpu_flops(dtype), f"measured {torch.get_num_threads()}-thread CPU matmul probe"
+        gpu = torch.cuda.get_device_name(device)
+        key = {torch.bfloat16: "bf16", torch.float16: "bf16"}.get(dtype)
+        if dtype == torch.float32:
+            key = "tf32" if _cuda_tf32_allowed() else "fp32"
+        for fragments, part, peaks in PEAK_TABLE:
+            if key and all(frag in gpu for frag in fragments):
+                return peaks[key], f"{part} {key} dense datasheet peak for {gpu}"
+        flops = _probe_flops(device, dtype, 8192, 5, 2.0)
+        return flops, f"probed: best of 5 {name} 8192^3 matmuls on {gpu} (not in the peak table)"
+    flops = _probe_flops(device, dtype, 1024, 5, 0.3)
+    return flops, f"probed: best of up to 5 {name} 1024^3 matmuls on {torch.get_num_threads()} CPU threads"
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_cuda_flops(dtype: torch.dtype, n: int = 8192) -> float:
-    a, b = torch.randn(n, n, dtype=dtype, device="cuda"), torch.randn(n, n, dtype=dtype, device="cuda")
-    torch.mm(a, b)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        torch.mm(a, b)
-    torch.cuda.synchronize()
-    return 10 * 2 * n**3 / (time.perf_counter() - t0)
+def _wandb_credentials() -> bool:
+    """WANDB_API_KEY, or a netrc entry for the wandb host (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.path.expanduser(os.environ.get("NETRC", "~/.netrc"))
+    try:
+        return bool(os.path.isfile(path) and netrc.netrc(path).authenticators(host))
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """auto -> WANDB_MODE if it names offline/online/disabled, else online with credentials, else offline."""
+    if mode != "auto":
+        return mode
+    env = os.environ.get("WANDB_MODE", "")
+    if env in ("offline", "online", "disabled"):
+        return env
+    return "online" if _wandb_credentials() else "offline"
+
+
+def _plain(value):
+    """A JSON-ready Python scalar from a float/int/tensor/numpy value (0-d tensors and numpy via .item())."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def _status_line(step: int, total: int, m: dict) -> str:
+    parts = [f"step {step:>{len(str(total))}}/{total}" if total else f"step {step}"]
+    for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("lr", "lr {:.2e}"),
+                     ("grad_norm", "grad {:.3f}"), ("tokens_per_s", "{:,.0f} tok/s")):
+        if isinstance(m.get(key), (int, float)):
+            parts.append(fmt.format(m[key]))
+    if isinstance(m.get("mfu"), (int, float)):
+        parts.append(f"MFU {100 * m['mfu']:.2f}%")
+    return "  ".join(parts)
 
 
 class MetricsLogger:
-    """metrics.jsonl + wandb + a console progress line. Does nothing at all when enabled is False."""
+    """One record per optimizer step to ${run_dir}/metrics.jsonl (appended, flushed), wandb and the console.
+
+    Only global rank 0 passes enabled=True; otherwise every method returns at once and nothing is created.
+    wandb is imported only when the resolved mode is not `disabled` (the import costs ~1 s); its files go to
+    ${run_dir}/wandb. Passing the wandb_id kept in a checkpoint continues the same wandb run (resume="allow").
+    The console shows a rich progress bar on a terminal and a plain line per update otherwise (Slurm, CI),
+    every `log_interval` steps and on the last step.
+    """
 
     def __init__(self, run_dir: str, config_dict: dict, enabled: bool, wandb_mode: str = "auto",
                  wandb_project: str = "megatron_lite", wandb_entity: str | None = None,
-                 run_name: str | None = None, wandb_id: str | None = None, total_steps: int = 0):
-        self.enabled, self.total_steps = enabled, total_steps
-        self._wandb, self._id = None, wandb_id
+                 run_name: str | None = None, wandb_id: str | None = None, total_steps: int = 0,
+                 log_interval: int = 1):
+        self.enabled, self.total_steps, self.log_interval = enabled, total_steps, max(1, log_interval)
+        self._id, self._wandb, self._progress, self._jsonl = wandb_id, None, None, None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self._progress = None
-        if sys.stdout.isatty():  # a live bar on a terminal; plain lines in logs (Slurm, CI)
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(BarColumn(bar_width=24), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
-            self._task = self._progress.add_task("train", total=total_steps, status="starting")
-            self._progress.start()
-        if wandb_mode == "auto":
-            wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        if wandb_mode != "disabled":
+        mode = resolve_wandb_mode(wandb_mode)
+        if mode != "disabled":
             import wandb
-            from wandb.sdk.lib.runid import generate_id
 
-            self._id = wandb_id or generate_id()
-            self._wandb = wandb.init(dir=run_dir, id=self._id, resume="allow", mode=wandb_mode,
-                                     project=wandb_project, entity=wandb_entity, name=run_name,
-                                     config=config_dict)
+            # wandb 0.31 has no public id generator (wandb.util.generate_id is gone); same format: 8 of [a-z0-9].
+            self._id = wandb_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+            self._wandb = wandb.init(dir=run_dir, id=self._id, resume="allow", mode=mode, project=wandb_project,
+                                     entity=wandb_entity, name=run_name, config=config_dict)
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
+                                      TextColumn("{task.fields[status]}"))
+            self._task = self._progress.add_task("train", total=total_steps or None, status="starting")
+            self._progress.start()
 
     @property
     def wandb_id(self) -> str | None:
+        """The wandb run id (store it in checkpoints to continue the same run); None without wandb."""
         return self._id
 
     def log(self, step: int, metrics: dict) -> None:
+        """Append {"step": step, **metrics} to metrics.jsonl and wandb; refresh the console line."""
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(metrics) + "\n")
+        record = {"step": step, **{key: _plain(value) for key, value in metrics.items() if key != "step"}}
+        self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
-        line = (f"step {step:>6}/{self.total_steps}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  "
-                f"grad {metrics['grad_norm']:.3f}  {metrics['tokens_per_s']:,.0f} tok/s  "
-                f"MFU {100 * metrics['mfu']:.2f}%")
-        if "val_loss" in metrics:
-            line += f"  val {metrics['val_loss']:.4f}"
+            self._wandb.log(record, step=step)
+        if step % self.log_interval and step != self.total_steps:
+            return
+        line = _status_line(step, self.total_steps, record)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=line)
+            self._progress.update(self._task, completed=step, status=line.split("  ", 1)[-1])
         else:
             print(line, flush=True)
 
     def print(self, message: str) -> None:
+        """A rank-0 message printed above the progress bar (or as a plain line)."""
         if not self.enabled:
             return
         if self._progress is not None:
@@ -157,12 +263,13 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
-            return
+        """Stop the progress bar, close metrics.jsonl and finish the wandb run; safe to call twice."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -94,7 +94,7 @@ def run(cfg: Config) -> dict:
         cfg.run.dir, config_dict=asdict(cfg), enabled=ctx.is_first, wandb_mode=cfg.logging.wandb.mode,
         wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
         run_name=cfg.run.name or os.path.basename(os.path.normpath(cfg.run.dir)), wandb_id=wandb_id,
-        total_steps=cfg.train.steps,
+        total_steps=cfg.train.steps, log_interval=cfg.train.log_interval,
     )
     dtype = torch.bfloat16 if resolve_precision(cfg) == "bf16" else torch.float32
     peak, peak_source = peak_flops(ctx.device, dtype)
@@ -121,14 +121,14 @@ def run(cfg: Config) -> dict:
 
     losses, grad_norms, step, stopped = [], [], start_step, False
     for step in range(start_step + 1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        loss, grad_norm = engine.train_step(batches.next_step(), lr_at(step - 1, cfg))
+        t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
+        loss, grad_norm = engine.train_step(batches.next_step(), lr)
         loss = _dp_mean(loss, ctx)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         record = {
-            "step": step, "loss": loss, "lr": lr_at(step - 1, cfg), "grad_norm": grad_norm,
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt, "mfu": model_flops / dt / (ctx.world_size * peak),
             "hfu": hw_flops / dt / (ctx.world_size * peak),

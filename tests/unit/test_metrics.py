@@ -1,15 +1,17 @@
-"""FLOPs formula vs torch's FlopCounterMode on the real model; MFU/HFU; JSONL and wandb offline logging."""
+"""FLOPs formula vs torch's FlopCounterMode on the real model; MFU/HFU; peak table; JSONL, console and wandb."""
 
 import json
-import time
+import sys
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_lite import metrics
 from megatron_lite.config import ModelConfig
-from megatron_lite.metrics import MetricsLogger, layer_flops_per_token, model_flops_per_token, step_flops
+from megatron_lite.metrics import (MetricsLogger, layer_flops_per_token, model_flops_per_token, peak_flops,
+                                   resolve_wandb_mode, step_flops)
 from megatron_lite.model.gpt import GPT
 from tests.utils.wandb_reader import read_wandb_history
 
@@ -20,29 +22,47 @@ LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swig
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
 def test_formula_equals_flop_counter_on_the_real_model(kw):
-    """FlopCounterMode counts every matmul of forward + backward. It sees SDPA only through the math
-    backend, which computes the full (non-causal) score matrix, so it is compared with causal=False;
-    the causal convention then halves exactly that attention-core term (checked below)."""
+    """FlopCounterMode counts every matmul of forward + backward of the loss. SDPA is forced onto its math
+    backend, which the counter sees as bmm ops (QK^T and PV, backward included; GQA expands K/V to every
+    query head first) computing the full s x s score matrix; every other counted op is a linear (mm/addmm).
+    So, exactly in integers: the linears equal 3 (L dense + 2hV) per token; the bmms equal 3 L core_full per
+    token; and our causal total is the linears plus half of the bmms."""
     cfg = ModelConfig(**kw)
     model = GPT(cfg)
     b, s = 3, cfg.seq_len
     tokens = torch.randint(0, cfg.vocab_size, (b, s + 1))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
-    assert counter.get_total_flops() == model_flops_per_token(cfg, s, causal=False) * b * s
-    dense, core_causal = layer_flops_per_token(cfg, s)
-    _, core_full = layer_flops_per_token(cfg, s, causal=False)
-    assert core_causal * 2 == core_full
-    assert model_flops_per_token(cfg, s, causal=False) - model_flops_per_token(cfg, s) == 3 * cfg.n_layers * core_causal
+    ops = {str(op).removeprefix("aten."): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(ops) <= {"mm", "addmm", "bmm"}, ops
+    n_tok, (dense, core_full) = b * s, layer_flops_per_token(cfg, s, causal=False)
+    attention, linears = ops["bmm"], counter.get_total_flops() - ops["bmm"]
+    assert attention == 3 * cfg.n_layers * core_full * n_tok
+    assert linears == 3 * (cfg.n_layers * dense + 2 * cfg.d_model * cfg.vocab_size) * n_tok
+    assert model_flops_per_token(cfg, s) * n_tok == linears + attention // 2
+    assert model_flops_per_token(cfg, s, causal=False) * n_tok == counter.get_total_flops()
 
 
-def test_hfu_adds_the_recomputed_forward():
-    cfg = ModelConfig(**LLAMA)
-    model, hw = step_flops(cfg, 1000, "none")
-    assert model == hw == model_flops_per_token(cfg, cfg.seq_len) * 1000
-    dense, core = layer_flops_per_token(cfg, cfg.seq_len)
-    assert step_flops(cfg, 1000, "selective")[1] - model == pytest.approx(cfg.n_layers * core * 1000)
-    assert step_flops(cfg, 1000, "full")[1] - model == pytest.approx(cfg.n_layers * (dense + core) * 1000)
+# Hand-derived per-token forward FLOPs for h=4, a=2, k=1 (GQA), d=2, f=8, s=6, V=10, one layer, SwiGLU:
+#   QKV 2*4*(2+2)*2 = 64, out 2*2*2*4 = 32, MLP 2*4*8*3 = 192 (dense 288), core 2*2*6*2*2 / 2 = 48, head 2*4*10 = 80.
+TINY = ModelConfig(n_layers=1, n_heads=2, n_kv_heads=1, d_model=4, ffn_hidden=8, seq_len=6, vocab_size=10,
+                   activation="swiglu")
+
+
+def test_formula_by_hand_and_hfu_per_recompute_mode():
+    assert layer_flops_per_token(TINY, 6) == (288, 48)
+    fwd = 288 + 48 + 80
+    assert model_flops_per_token(TINY, 6) == 3 * fwd == 1248
+    assert step_flops(TINY, 100, "none") == (1248 * 100, 1248 * 100)
+    assert step_flops(TINY, 100, "selective") == (1248 * 100, (1248 + 48) * 100)  # + attention core forward
+    assert step_flops(TINY, 100, "full") == (1248 * 100, (1248 + 288 + 48) * 100)  # + every layer's forward
+    # MFU and HFU share the time, devices and peak; their ratio is hardware / model FLOPs.
+    model, hw = step_flops(TINY, 100, "full")
+    dt, devices, peak = 0.5, 4, 1e6
+    mfu, hfu = model / dt / (devices * peak), hw / dt / (devices * peak)
+    assert mfu == pytest.approx(0.0624) and hfu / mfu == pytest.approx(1584 / 1248)
+    with pytest.raises(ValueError, match="recompute='some'"):
+        step_flops(TINY, 100, "some")
 
 
 def test_gpt2_124m_flops_per_token_matches_the_usual_estimate():
@@ -52,38 +72,106 @@ def test_gpt2_124m_flops_per_token_matches_the_usual_estimate():
     assert model_flops_per_token(cfg, 1024) == 6 * n + 6 * 12 * 1024 * 768
 
 
+@pytest.mark.parametrize("gpu, dtype, tf32, peak, part", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989e12, "H100 SXM"),
+    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756e12, "H100 PCIe"),
+    ("NVIDIA H100 NVL", torch.float16, False, 835e12, "H100 NVL"),
+    ("NVIDIA H200", torch.float32, True, 494e12, "H200 SXM"),
+    ("NVIDIA H200", torch.float32, False, 67e12, "H200 SXM"),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312e12, "A100"),
+])
+def test_peak_table_by_device_name(monkeypatch, gpu, dtype, tf32, peak, part):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr(metrics, "_cuda_tf32_allowed", lambda: tf32)
+    value, source = peak_flops(torch.device("cuda"), dtype)
+    assert value == peak and part in source and gpu in source
+
+
+def test_cpu_peak_is_probed_once():
+    value, source = peak_flops("cpu", torch.float32)
+    assert value > 0 and source.startswith("probed")
+    assert peak_flops(torch.device("cpu"), torch.float32) == (value, source)  # cached: the same measurement
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """No network and no files outside tmp_path: offline mode, no credentials, wandb's dirs in tmp_path."""
+    for key in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    for key, value in (("WANDB_SILENT", "true"), ("WANDB_DISABLE_GIT", "true"), ("WANDB_DISABLE_CODE", "true"),
+                       ("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(key, value if value == "true" else str(tmp_path / value))
+    return tmp_path / "run"
+
+
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mfu", "hfu"}
 
 
 def _record(step):
-    return {"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": 1.0, "tokens": 128 * step,
-            "tokens_per_s": 1000.0 + step, "step_time_s": 0.1, "mfu": 0.1234 + step / 1000, "hfu": 0.2}
+    return {"loss": 5.0 / step, "lr": 1e-3 * step / 7, "grad_norm": torch.tensor(0.5), "tokens": 128 * step,
+            "tokens_per_s": 1000.0 + step / 3, "step_time_s": 0.1, "mfu": 0.1234 + step / 997, "hfu": 0.2 + step / 991}
 
 
-def test_logger_writes_jsonl_and_wandb_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    logger = MetricsLogger(str(tmp_path), {"a": 1}, enabled=True, wandb_mode="auto", total_steps=6)
+def test_logger_jsonl_wandb_offline_and_resume(offline_wandb, capsys):
+    run_dir = offline_wandb
+    logger = MetricsLogger(str(run_dir), {"model": {"d_model": 64}}, enabled=True, wandb_mode="auto",
+                           run_name="t", total_steps=7, log_interval=2)
     run_id = logger.wandb_id
     for step in (1, 2, 3):
         logger.log(step, _record(step))
+    logger.print("hello from rank 0")
     logger.close()
-    # wandb names offline runs offline-run-<second>-<id>: a resume within the same second would reuse the
-    # directory and replace the first file (a real restart takes far longer than a second).
-    time.sleep(1.1)
-    resumed = MetricsLogger(str(tmp_path), {"a": 1}, enabled=True, wandb_mode="offline", wandb_id=run_id)
-    for step in (4, 5, 6):
-        resumed.log(step, _record(step))
-    resumed.close()
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6] and all(KEYS <= set(r) for r in lines)
-    history = read_wandb_history(str(tmp_path))
-    assert [h["mfu"] for h in history] == [_record(s)["mfu"] for s in range(1, 7)]
-    assert resumed.wandb_id == run_id
+    logger.close()  # idempotent
+    # Two resumes with the same id, usually within the same second: wandb then names the directory
+    # offline-run-<second>-<id>-1 instead of replacing the first (the reader orders runs by time).
+    for steps in ((4, 5), (6, 7)):
+        resumed = MetricsLogger(str(run_dir), {}, enabled=True, wandb_mode="offline", wandb_id=run_id,
+                                total_steps=7, log_interval=2)
+        assert resumed.wandb_id == run_id
+        for step in steps:
+            resumed.log(step, _record(step) | ({"note": "x" * 70_000} if step == 5 else {}))  # > 2 blocks
+        resumed.close()
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 8)) and all(KEYS <= set(r) for r in rows)
+    assert rows[0]["grad_norm"] == 0.5  # a 0-d tensor is written as a number
+    expected = [{"step": s, **_record(s), "grad_norm": 0.5} for s in range(1, 8)]
+    assert [{k: r[k] for k in KEYS} for r in rows] == expected
+
+    history = read_wandb_history(str(run_dir))
+    assert [{k: h[k] for k in KEYS} for h in history] == expected  # exact floats, as logged
+    assert [h["_step"] for h in history] == list(range(1, 8)) and len(history[4]["note"]) == 70_000
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 3
+
+    out = capsys.readouterr().out.splitlines()  # stdout is no TTY under pytest: plain lines, every 2nd step + last
+    assert [line.split()[1] for line in out if line.startswith("step")] == ["2/7", "4/7", "6/7", "7/7"]
+    assert "hello from rank 0" in out and "MFU 12.54%" in out[0]
 
 
-def test_disabled_logger_writes_nothing(tmp_path):
+def test_disabled_logger_writes_nothing(tmp_path, capsys):
     logger = MetricsLogger(str(tmp_path / "x"), {}, enabled=False, wandb_mode="offline")
     logger.log(1, _record(1))
+    logger.print("not shown")
     logger.close()
-    assert not (tmp_path / "x").exists()
+    assert not (tmp_path / "x").exists() and capsys.readouterr().out == ""
+
+
+def test_wandb_disabled_never_imports_wandb(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # any `import wandb` now raises ImportError
+    logger = MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled")
+    logger.log(1, _record(1))
+    logger.close()
+    assert logger.wandb_id is None and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_auto_wandb_mode(tmp_path, monkeypatch):
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert resolve_wandb_mode("auto") == "offline" and resolve_wandb_mode("online") == "online"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password k3y\n")  # `wandb login`
+    assert resolve_wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode("auto") == "disabled"

@@ -42,19 +42,30 @@ def _records(data: bytes):
             pending = b""
 
 
-def read_wandb_history(run_dir: str) -> list[dict]:
-    """Every history row logged to the offline run(s) under run_dir/wandb, in order."""
+def _history(path: str) -> list[dict]:
     from wandb.proto import wandb_internal_pb2
 
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", f"{path} is not a wandb transaction log"
     rows = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        assert data[:4] == b":W&B", path
-        for raw in _records(data):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(raw)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+    for raw in _records(data):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
     return rows
+
+
+def read_wandb_history(run_dir: str) -> list[dict]:
+    """Every history row logged to the offline run(s) under run_dir/wandb, oldest run first.
+
+    A resumed run gets a new directory, offline-run-<second>-<id>, and wandb appends -1, -2, ... when that
+    name exists (a resume within the same second), so names do not sort in time order ("...-id-1/" sorts
+    before "...-id/"); runs are ordered by their first row's `_timestamp` instead. Rows keep wandb's own
+    `_step`, `_runtime` and `_timestamp` keys beside the logged ones.
+    """
+    runs = [_history(path) for path in glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))]
+    runs.sort(key=lambda rows: rows[0].get("_timestamp", float("inf")) if rows else float("inf"))
+    return [row for rows in runs for row in rows]
