@@ -3,14 +3,17 @@
     python tools/convert_hf.py import <hf_dir> <checkpoint_dir>    # weights-only checkpoint, step 0
     python tools/convert_hf.py export <checkpoint_path> <hf_dir>   # any checkpoint (root or step dir)
 
-Name and layout mapping (ours <- HF):
+One name table per flavour serves both directions (ours <- HF):
   GPT-2: Conv1D weights are (in, out), so they are transposed; c_attn is already [q | k | v] and c_fc is
          the whole GeLU input projection, so both map 1:1 onto our fused qkv / fc_in.
-  Llama: q/k/v_proj are concatenated into qkv; gate/up_proj into fc_in as [gate | up]. RoPE uses the same
-         rotate-half convention on both sides, so no permutation of q/k rows is needed.
+  Llama: q/k/v_proj are concatenated into qkv (biases too, when attention_bias = mlp_bias = True);
+         gate/up_proj into fc_in as [gate | up]. RoPE uses the same rotate-half convention on both sides,
+         so no permutation of q/k rows is needed.
   Both:  our embedding (and untied head) has padded rows (a multiple of model.vocab_multiple); zeros on
-         import, stripped on export.
-Left out on purpose: rope scaling variants, MLP/attention-output biases on Llama, sharded HF downloads.
+         import, stripped on export. HF buffers that are not weights (GPT-2's attention masks before
+         transformers 5, RoPE inv_freq tables) are skipped; any other HF tensor we have no place for is refused.
+Left out on purpose: RoPE scaling variants (linear, dynamic, yarn, llama3), a Llama with only one of
+attention_bias / mlp_bias, head_dim != hidden_size / heads, hub downloads (local directories only).
 """
 
 from __future__ import annotations
@@ -27,139 +30,208 @@ from megatron_lite.checkpoint import load_model_state, save_model_state  # noqa:
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.model.gpt import padded_vocab_size  # noqa: E402
 
+FLAVOURS = ("gpt2", "llama")
+# Non-persistent or legacy HF buffers: causal masks (GPT-2, transformers < 5) and RoPE frequency tables.
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
 
 class ConversionError(ValueError):
-    pass
+    """A model or checkpoint we cannot represent; its message is one line: what, the value, and a fix."""
 
 
-def hf_config_to_model_config(hf) -> ModelConfig:
+def _refuse(what: str, value, fix: str):
+    raise ConversionError(f"{what}={value} is not supported; {fix}")
+
+
+# --- configs -------------------------------------------------------------------------------------------------
+
+def _rope_theta(hf) -> float:
+    """RoPE base. transformers 5 moves rope_theta into `rope_parameters` (aliased as `rope_scaling`, with
+    rope_type='default' for plain RoPE); 4.x keeps `rope_theta` on the config and scaling under `type`."""
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        _refuse("Llama rope_type", kind, "our model has plain RoPE only (rope_type=default)")
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
+    return float(10000.0 if theta is None else theta)
+
+
+def hf_config_to_model_config(hf_config) -> ModelConfig:
+    """Our ModelConfig for an HF GPT2Config or LlamaConfig; ConversionError for anything it cannot express."""
+    hf = hf_config
     if hf.model_type == "gpt2":
         if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ConversionError(f"GPT-2 activation_function={hf.activation_function} is not supported; "
-                                  "use gelu_new (tanh GeLU)")
+            _refuse("GPT-2 activation_function", hf.activation_function, "use gelu_new (tanh GeLU)")
+        if not hf.scale_attn_weights or hf.scale_attn_by_inverse_layer_idx or hf.add_cross_attention:
+            _refuse("GPT-2 scale_attn_weights/scale_attn_by_inverse_layer_idx/add_cross_attention",
+                    f"{hf.scale_attn_weights}/{hf.scale_attn_by_inverse_layer_idx}/{hf.add_cross_attention}",
+                    "only plain causal GPT-2 attention (True/False/False) converts")
         return ModelConfig(
             name="hf-gpt2", n_layers=hf.n_layer, n_heads=hf.n_head, d_model=hf.n_embd,
             ffn_hidden=hf.n_inner or 4 * hf.n_embd, vocab_size=hf.vocab_size, seq_len=hf.n_positions,
             norm="layernorm", norm_eps=hf.layer_norm_epsilon, activation="gelu", position="learned",
-            tie_embeddings=True, bias=True, dropout=0.0,
+            tie_embeddings=bool(hf.tie_word_embeddings), bias=True, dropout=0.0,
         )
     if hf.model_type == "llama":
-        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConversionError(f"Llama rope_type={rope.get('rope_type')} is not supported; only default RoPE")
-        if getattr(hf, "mlp_bias", False) or getattr(hf, "attention_bias", False):
-            raise ConversionError("Llama mlp_bias/attention_bias=True is not supported; only bias-free Llamas")
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        theta = _rope_theta(hf)
+        attn_bias, mlp_bias = bool(hf.attention_bias), bool(getattr(hf, "mlp_bias", False))
+        if attn_bias != mlp_bias:  # our one `bias` flag covers attention and MLP linears together
+            _refuse("Llama attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}",
+                    "our model has biases on all linears or none, so both must be equal")
+        if hf.hidden_act != "silu":
+            _refuse("Llama hidden_act", hf.hidden_act, "only silu (SwiGLU) converts")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if head_dim * hf.num_attention_heads != hf.hidden_size:
+            _refuse("Llama head_dim", head_dim, f"our heads split hidden_size={hf.hidden_size} evenly "
+                    f"(head_dim {hf.hidden_size // hf.num_attention_heads})")
         return ModelConfig(
             name="hf-llama", n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
             n_kv_heads=hf.num_key_value_heads, d_model=hf.hidden_size, ffn_hidden=hf.intermediate_size,
             vocab_size=hf.vocab_size, seq_len=hf.max_position_embeddings, norm="rmsnorm",
-            norm_eps=hf.rms_norm_eps, activation="swiglu", position="rope", rope_theta=float(theta),
-            tie_embeddings=bool(hf.tie_word_embeddings), bias=False, dropout=0.0,
+            norm_eps=hf.rms_norm_eps, activation="swiglu", position="rope", rope_theta=theta,
+            tie_embeddings=bool(hf.tie_word_embeddings), bias=attn_bias, dropout=0.0,
         )
-    raise ConversionError(f"model_type={hf.model_type} is not supported; use a GPT-2 or Llama checkpoint")
+    _refuse("model_type", hf.model_type, "use a GPT-2 (GPT2LMHeadModel) or Llama (LlamaForCausalLM) model")
 
 
-def _gpt2_pairs(n_layers: int):
-    """(our name, HF name, transposed?) for every GPT-2 tensor but the token embedding and the head."""
-    yield "wpe.weight", "transformer.wpe.weight", False
-    for i in range(n_layers):
-        o, h = f"blocks.{i}.", f"transformer.h.{i}."
-        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            for kind in ("weight", "bias"):
-                yield f"{o}{ours}.{kind}", f"{h}{theirs}.{kind}", False
-        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                             ("mlp.fc_in", "mlp.c_fc"), ("mlp.fc_out", "mlp.c_proj")):
-            yield f"{o}{ours}.weight", f"{h}{theirs}.weight", True  # Conv1D stores (in, out)
-            yield f"{o}{ours}.bias", f"{h}{theirs}.bias", False
-    for kind in ("weight", "bias"):
-        yield f"norm_f.{kind}", f"transformer.ln_f.{kind}", False
-
-
-def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])]) if rows > w.shape[0] else w
-
-
-def hf_to_ours(sd: dict, hf_config) -> tuple[ModelConfig, dict]:
-    cfg = hf_config_to_model_config(hf_config)
-    rows = padded_vocab_size(cfg)
-    out = {}
-    if hf_config.model_type == "gpt2":
-        out["wte.weight"] = _pad_rows(sd["transformer.wte.weight"], rows)
-        for ours, theirs, transposed in _gpt2_pairs(cfg.n_layers):
-            out[ours] = sd[theirs].t().contiguous() if transposed else sd[theirs]
-    else:
-        p = "model."
-        out["wte.weight"] = _pad_rows(sd[p + "embed_tokens.weight"], rows)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            out[o + "norm1.weight"] = sd[h + "input_layernorm.weight"]
-            out[o + "norm2.weight"] = sd[h + "post_attention_layernorm.weight"]
-            out[o + "attn.qkv.weight"] = torch.cat([sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-            out[o + "attn.proj.weight"] = sd[h + "self_attn.o_proj.weight"]
-            out[o + "mlp.fc_in.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]])
-            out[o + "mlp.fc_out.weight"] = sd[h + "mlp.down_proj.weight"]
-        out["norm_f.weight"] = sd[p + "norm.weight"]
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = _pad_rows(sd["lm_head.weight"], rows)
-    return cfg, {k: v.detach().clone().float() for k, v in out.items()}
-
-
-def ours_to_hf(cfg: ModelConfig, sd: dict):
-    """(HF config, HF state dict) for our weights; GPT-2 for learned positions, Llama for RoPE."""
+def _hf_config(cfg: ModelConfig, flavour: str):
     from transformers import GPT2Config, LlamaConfig
 
-    V, out = cfg.vocab_size, {}
-    if cfg.position == "learned":
-        if not (cfg.norm == "layernorm" and cfg.activation == "gelu" and cfg.bias and cfg.tie_embeddings
-                and cfg.kv_heads == cfg.n_heads):
-            raise ConversionError("only GPT-2-shaped models (layernorm, gelu, biases, tied, no GQA) export as GPT-2")
-        hf = GPT2Config(vocab_size=V, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-                        n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
-                        layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        tie_word_embeddings=True)
-        out["transformer.wte.weight"] = out["lm_head.weight"] = sd["wte.weight"][:V]
-        for ours, theirs, transposed in _gpt2_pairs(cfg.n_layers):
-            out[theirs] = sd[ours].t().contiguous() if transposed else sd[ours]
-        return hf, out
-    if cfg.norm != "rmsnorm" or cfg.activation != "swiglu" or cfg.bias:
-        raise ConversionError("only Llama-shaped models (rmsnorm, swiglu, rope, no biases) export as Llama")
-    hf = LlamaConfig(vocab_size=V, hidden_size=cfg.d_model, intermediate_size=cfg.ffn,
-                     num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                     num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
-                     rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, attention_bias=False,
-                     tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu")
-    p, q_rows, kv_rows = "model.", cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    out[p + "embed_tokens.weight"] = sd["wte.weight"][:V]
-    for i in range(cfg.n_layers):
-        h, o = f"{p}layers.{i}.", f"blocks.{i}."
-        out[h + "input_layernorm.weight"] = sd[o + "norm1.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[o + "norm2.weight"]
-        q, k, v = sd[o + "attn.qkv.weight"].split([q_rows, kv_rows, kv_rows])
-        out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
-        out[h + "self_attn.v_proj.weight"] = v
-        out[h + "self_attn.o_proj.weight"] = sd[o + "attn.proj.weight"]
-        gate, up = sd[o + "mlp.fc_in.weight"].chunk(2)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-        out[h + "mlp.down_proj.weight"] = sd[o + "mlp.fc_out.weight"]
-    out[p + "norm.weight"] = sd["norm_f.weight"]
-    out["lm_head.weight"] = (sd["wte.weight"] if cfg.tie_embeddings else sd["lm_head.weight"])[:V]
-    return hf, {k: v.contiguous() for k, v in out.items()}
+    if flavour == "gpt2":
+        if not (cfg.norm == "layernorm" and cfg.activation == "gelu" and cfg.bias and cfg.kv_heads == cfg.n_heads):
+            _refuse("GPT-2 export of norm/activation/bias/n_kv_heads",
+                    f"{cfg.norm}/{cfg.activation}/{cfg.bias}/{cfg.kv_heads}",
+                    f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; export as llama instead")
+        # GPT-2's default bos/eos id (50256) is invalid for a smaller vocabulary; HF warns unless unset.
+        special = {} if cfg.vocab_size > 50256 else {"bos_token_id": None, "eos_token_id": None}
+        return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
+                          n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
+                          layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          tie_word_embeddings=cfg.tie_embeddings, **special)
+    if not (cfg.norm == "rmsnorm" and cfg.activation == "swiglu" and cfg.position == "rope"):
+        _refuse("Llama export of norm/activation/position", f"{cfg.norm}/{cfg.activation}/{cfg.position}",
+                "Llama needs rmsnorm/swiglu/rope; export a learned-position model as gpt2")
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn,
+                       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                       num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
+                       rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                       attention_bias=cfg.bias, mlp_bias=cfg.bias, tie_word_embeddings=cfg.tie_embeddings,
+                       hidden_act="silu")
 
+
+# --- name tables -----------------------------------------------------------------------------------------------
+
+def _table(cfg: ModelConfig, flavour: str):
+    """(our name, HF names concatenated along dim 0 into it, HF stores it transposed?) for every weight
+    except the vocabulary-sized ones (padded on our side, handled by _vocab_names)."""
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    if flavour == "gpt2":
+        yield "wpe.weight", ("transformer.wpe.weight",), False
+        for i in range(cfg.n_layers):
+            o, h = f"blocks.{i}.", f"transformer.h.{i}."
+            for ours, theirs, conv1d in (("norm1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
+                                         ("attn.proj", "attn.c_proj", True), ("norm2", "ln_2", False),
+                                         ("mlp.fc_in", "mlp.c_fc", True), ("mlp.fc_out", "mlp.c_proj", True)):
+                for kind in kinds:  # Conv1D stores its weight (in, out); biases are plain vectors
+                    yield f"{o}{ours}.{kind}", (f"{h}{theirs}.{kind}",), conv1d and kind == "weight"
+        for kind in kinds:
+            yield f"norm_f.{kind}", (f"transformer.ln_f.{kind}",), False
+        return
+    for i in range(cfg.n_layers):
+        o, h = f"blocks.{i}.", f"model.layers.{i}."
+        yield f"{o}norm1.weight", (f"{h}input_layernorm.weight",), False
+        yield f"{o}norm2.weight", (f"{h}post_attention_layernorm.weight",), False
+        for kind in kinds:
+            yield f"{o}attn.qkv.{kind}", tuple(f"{h}self_attn.{x}_proj.{kind}" for x in "qkv"), False
+            yield f"{o}attn.proj.{kind}", (f"{h}self_attn.o_proj.{kind}",), False
+            yield f"{o}mlp.fc_in.{kind}", (f"{h}mlp.gate_proj.{kind}", f"{h}mlp.up_proj.{kind}"), False
+            yield f"{o}mlp.fc_out.{kind}", (f"{h}mlp.down_proj.{kind}",), False
+    yield "norm_f.weight", ("model.norm.weight",), False
+
+
+def _vocab_names(flavour: str) -> dict[str, str]:
+    embed = "transformer.wte.weight" if flavour == "gpt2" else "model.embed_tokens.weight"
+    return {"wte.weight": embed, "lm_head.weight": "lm_head.weight"}
+
+
+def _flavour_of(cfg: ModelConfig) -> str:
+    return "gpt2" if cfg.position == "learned" else "llama"
+
+
+# --- state dicts -----------------------------------------------------------------------------------------------
+
+def hf_to_ours(hf_state_dict: dict, hf_config) -> tuple[ModelConfig, dict]:
+    """(our ModelConfig, fp32 state dict that `GPT(cfg).load_state_dict(sd)` takes strictly)."""
+    cfg = hf_config_to_model_config(hf_config)
+    flavour, rows, sd = _flavour_of(cfg), padded_vocab_size(cfg), hf_state_dict
+    vocab = _vocab_names(flavour)
+    wanted = {"wte.weight": (vocab["wte.weight"],)}
+    if not cfg.tie_embeddings:
+        wanted["lm_head.weight"] = (vocab["lm_head.weight"],)
+    transposed = {}
+    for ours, theirs, t in _table(cfg, flavour):
+        wanted[ours], transposed[ours] = theirs, t
+    missing = [n for names in wanted.values() for n in names if n not in sd]
+    if missing:
+        raise ConversionError(f"HF state dict lacks {missing[:3]} ({len(missing)} in all) that its config "
+                              "implies; is the config the one these weights were saved with?")
+    used = {n for names in wanted.values() for n in names} | {vocab["lm_head.weight"]}  # tied head: a copy
+    extra = [k for k in sd if k not in used and not k.endswith(_HF_BUFFERS)]
+    if extra:
+        raise ConversionError(f"HF weights {extra[:3]} ({len(extra)} in all) have no place in our model; "
+                              "only plain GPT-2 / Llama causal LMs convert")
+    out = {}
+    for ours, theirs in wanted.items():
+        w = torch.cat([sd[n] for n in theirs]) if len(theirs) > 1 else sd[theirs[0]]
+        out[ours] = w.t() if transposed.get(ours) else w
+    for name in ("wte.weight", "lm_head.weight"):
+        if name in out and out[name].shape[0] < rows:  # zero rows up to the padded vocabulary
+            out[name] = torch.cat([out[name], out[name].new_zeros(rows - out[name].shape[0], cfg.d_model)])
+    return cfg, {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in out.items()}
+
+
+def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None = None) -> tuple[object, dict]:
+    """(HF config, HF state dict) for our weights; flavour gpt2 or llama, by default gpt2 for learned positions."""
+    cfg, sd = model_cfg, our_state_dict
+    flavour = flavour or _flavour_of(cfg)
+    if flavour not in FLAVOURS:
+        _refuse("flavour", flavour, f"use one of {', '.join(FLAVOURS)}")
+    if (flavour == "gpt2") != (cfg.position == "learned"):
+        _refuse(f"{flavour} export of position", cfg.position, "GPT-2 has learned positions, Llama RoPE")
+    hf_cfg = _hf_config(cfg, flavour)
+    hd, out = cfg.head_dim, {}
+    # Only two tensors are fused: [q | k | v] (3 parts) and [gate | up] (2 parts).
+    rows = {3: [cfg.n_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd], 2: [cfg.ffn, cfg.ffn]}
+    for ours, theirs, transposed in _table(cfg, flavour):
+        w = sd[ours].t() if transposed else sd[ours]
+        out.update(zip(theirs, w.split(rows[len(theirs)]) if len(theirs) > 1 else (w,)))
+    vocab = _vocab_names(flavour)
+    out[vocab["wte.weight"]] = sd["wte.weight"][: cfg.vocab_size]  # strip the padded rows
+    head = "wte.weight" if cfg.tie_embeddings else "lm_head.weight"
+    out[vocab["lm_head.weight"]] = sd[head][: cfg.vocab_size]  # HF's state_dict lists the tied head too
+    return hf_cfg, {k: v.contiguous() for k, v in out.items()}
+
+
+# --- command line --------------------------------------------------------------------------------------------
 
 def import_hf(hf_dir: str, ckpt_dir: str) -> str:
-    from transformers import AutoModelForCausalLM
+    """HF directory -> weights-only checkpoint under ckpt_dir; returns the step directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"{hf_dir} is not a directory; pass a local HF model directory (no hub downloads)")
+    hf_config_to_model_config(AutoConfig.from_pretrained(hf_dir, local_files_only=True))  # refuse before loading
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
     cfg, sd = hf_to_ours(model.state_dict(), model.config)
     return save_model_state(ckpt_dir, cfg, sd)
 
 
-def export_hf(ckpt_path: str, hf_dir: str) -> None:
+def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:
+    """Checkpoint (root with `latest`, or step dir) -> HF directory (safetensors + config.json)."""
     from transformers import AutoModelForCausalLM
 
     cfg, sd = load_model_state(ckpt_path)
-    hf_cfg, hf_sd = ours_to_hf(cfg, sd)
+    hf_cfg, hf_sd = ours_to_hf(cfg, sd, flavour)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.load_state_dict(hf_sd, strict=True)
     model.save_pretrained(hf_dir)
@@ -174,12 +246,13 @@ def main(argv=None) -> None:
     exp = sub.add_parser("export", help="checkpoint (root or step dir) -> HF directory")
     exp.add_argument("checkpoint_path")
     exp.add_argument("hf_dir")
+    exp.add_argument("--flavour", choices=FLAVOURS, help="default: gpt2 for learned positions, llama for RoPE")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
             print(f"wrote {import_hf(args.hf_dir, args.checkpoint_dir)}")
         else:
-            export_hf(args.checkpoint_path, args.hf_dir)
+            export_hf(args.checkpoint_path, args.hf_dir, args.flavour)
             print(f"wrote {args.hf_dir}")
     except (ValueError, FileNotFoundError) as err:  # ConversionError, unsupported checkpoint layouts
         sys.exit(f"convert_hf: {err}")
