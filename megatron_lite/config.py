@@ -113,7 +113,9 @@ class TrainConfig:
     precision: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
     recompute: str = "none"
-    """Activation recomputation: none, selective or full."""
+    """Activation recomputation: none, selective (the attention core of every layer) or full (whole layers)."""
+    recompute_every: int = 1
+    """With recompute=full: recompute layers 0, k, 2k, ... (1 = every layer; larger trades memory for speed)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     eval_interval: int = 100
@@ -293,8 +295,8 @@ def validate(cfg: Config, world_size: int) -> None:
               " or change train.micro_batch_size")
     _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
     _choice("train.recompute", t.recompute, ("none", "selective", "full"))
-    if t.recompute != "none":
-        _fail("train.recompute", t.recompute, "is not available in this build yet", "use train.recompute=none")
+    if t.recompute_every < 1:
+        _fail("train.recompute_every", t.recompute_every, "must be >= 1", "use 1 (every layer) or k (every k-th)")
     if t.grad_clip < 0:
         _fail("train.grad_clip", t.grad_clip, "must be >= 0", "use 1.0, or 0 to disable clipping")
     if t.eval_interval < 0 or t.eval_iters <= 0:

@@ -16,8 +16,9 @@ V = vocab_size (the true vocabulary, not the padded embedding), one token costs 
 appendix). Causal attention is counted at exactly half of the full s x s score matrix (s/2 keys per
 query, as Megatron-LM's causal count and MaxText do), not the (s+1)/2 of the lower triangle including
 the diagonal. Not counted: embedding lookups, norms, softmax, RoPE, biases and other element-wise work.
-HFU adds what activation recomputation repeats in forward: every layer (dense + core) for `full`,
-the attention core for `selective`; the LM head is never recomputed.
+HFU adds the forward work that activation recomputation repeats in backward: each recomputed layer but
+its last GEMM for `full`, the attention core for `selective` (recompute_flops_per_token says exactly what
+torch reruns); the LM head is never recomputed.
 
 Left out on purpose: MoE and multi-token-prediction terms (no such models here).
 """
@@ -88,16 +89,34 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -
     return float(3 * forward_flops_per_token(cfg, seq_len, causal))
 
 
-def step_flops(cfg: ModelConfig, tokens: int, recompute: str = "none") -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of sequences cfg.seq_len long.
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, every: int = 1,
+                              fused_core: bool = True, causal: bool = True) -> int:
+    """Forward FLOPs per token that activation recomputation reruns during backward.
 
-    hardware = model + the recomputed forward per token: L (dense + core) for `full`, L core for
-    `selective`, nothing for `none`. MFU = model / (time x devices x peak); HFU likewise with hardware.
+    torch stops a recomputation once every tensor backward needs is rebuilt (checkpoint early stop), so the
+    last GEMM of a recomputed region, whose output nothing keeps, never reruns: `full` reruns each of its
+    ceil(L / every) layers except fc_out (2 f h); `selective` reruns the attention core, whole when SDPA is
+    one fused op (flash / memory-efficient on GPU, the CPU flash kernel), only QK^T on the math path (what
+    CPU uses with attention dropout).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    dense, core = layer_flops_per_token(cfg, cfg.seq_len)
-    extra = {"none": 0, "selective": cfg.n_layers * core, "full": cfg.n_layers * (dense + core)}[recompute]
+    dense, core = layer_flops_per_token(cfg, seq_len, causal)
+    if recompute == "full":
+        return -(-cfg.n_layers // every) * (dense - 2 * cfg.ffn * cfg.d_model + core)  # blocks 0, every, ...
+    if recompute == "selective":
+        return cfg.n_layers * (core if fused_core else core // 2)
+    return 0
+
+
+def step_flops(cfg: ModelConfig, tokens: int, recompute: str = "none", recompute_every: int = 1,
+               fused_core: bool = True) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of sequences cfg.seq_len long.
+
+    hardware = model + what recomputation reruns (recompute_flops_per_token). MFU = model / (time x devices
+    x peak); HFU likewise with hardware.
+    """
+    extra = recompute_flops_per_token(cfg, cfg.seq_len, recompute, recompute_every, fused_core)
     model = 3 * forward_flops_per_token(cfg, cfg.seq_len) * tokens
     return float(model), float(model + extra * tokens)
 

@@ -75,6 +75,7 @@ def run(cfg: Config) -> dict:
         model.load_state_dict(weights)
     tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
     model = parallelize(model, ctx.tp_group, cfg.parallel.sp, tp_rng)  # shards the full weights: same model as tp=1
+    model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
     universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage)
     engine = Engine(cfg, model, ctx, load_universal=universal)
 
@@ -99,7 +100,8 @@ def run(cfg: Config) -> dict:
     dtype = torch.bfloat16 if resolve_precision(cfg) == "bf16" else torch.float32
     peak, peak_source = peak_flops(ctx.device, dtype)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-    model_flops, hw_flops = step_flops(cfg.model, tokens_per_step, cfg.train.recompute)
+    model_flops, hw_flops = step_flops(cfg.model, tokens_per_step, cfg.train.recompute, cfg.train.recompute_every,
+                                       fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
     if start_step:
         logger.print(f"resumed from {resume_path} at step {start_step} ({consumed} samples consumed)")
     if start_step >= cfg.train.steps:

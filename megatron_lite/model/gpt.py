@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.parallel.random import TPRNGTracker, recompute
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -72,8 +73,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.rope = cfg.position == "rope"
-        # Context for the attention-probability dropout; tensor parallelism swaps in its per-rank RNG stream.
-        self.dropout_rng = contextlib.nullcontext
+        # The per-TP-rank stream for attention-probability dropout (heads are split over TP); set by parallelize.
+        self.tp_rng: TPRNGTracker | None = None
+        self.recompute_core = False  # train.recompute=selective: keep q, k, v; redo softmax(qk^T) v in backward
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.qkv(x)  # (b, s, qkv_dim); s is the full sequence even when x holds a sequence-parallel shard
@@ -87,12 +89,19 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        with self.dropout_rng():
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )  # (b, heads, s, hd)
+        if self.recompute_core and torch.is_grad_enabled():
+            y = recompute(self.core, q, k, v, tracker=self.tp_rng)
+        else:
+            y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v with causal mask and dropout: (b, heads, s, hd) for q, k, v (GQA: fewer
+        k/v heads). The memory-heavy, FLOP-light part that selective recomputation drops (Korthikanti 2022)."""
+        dropout = self.dropout if self.training else 0.0
+        with self.tp_rng.fork() if self.tp_rng is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MLP(nn.Module):
@@ -151,6 +160,8 @@ class GPT(nn.Module):
         self.norm_f = make_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, self.padded_vocab, bias=False)
         self.head = LMHead(cfg.vocab_size)
+        self.tp_rng: TPRNGTracker | None = None  # replayed with the default stream when blocks are recomputed
+        self.recomputed_blocks: frozenset[int] = frozenset()
         if cfg.position == "rope":
             cos, sin = rope_cos_sin(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -183,9 +194,20 @@ class GPT(nn.Module):
         else:
             rope = (self.rope_cos[:s], self.rope_sin[:s])
         x = self.drop(self.to_blocks(x))
-        for block in self.blocks:
-            x = block(x, rope)
+        for i, block in enumerate(self.blocks):
+            if i in self.recomputed_blocks and torch.is_grad_enabled():
+                x = recompute(block, x, rope, tracker=self.tp_rng)
+            else:
+                x = block(x, rope)
         return self.norm_f(x)
+
+    def set_recompute(self, mode: str, every: int = 1) -> None:
+        """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... and reruns each such
+        block in backward; `selective` reruns every block's attention core; `none` keeps everything."""
+        assert mode in ("none", "selective", "full") and every >= 1, (mode, every)
+        self.recomputed_blocks = frozenset(range(0, len(self.blocks), every)) if mode == "full" else frozenset()
+        for block in self.blocks:
+            block.attn.recompute_core = mode == "selective"
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, s, vocab) without labels; mean next-token cross entropy (fp32) with labels."""

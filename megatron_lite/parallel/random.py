@@ -8,14 +8,18 @@ generator seeded by (seed, tp_rank) and swaps the default one back afterwards (M
 "model-parallel RNG", Shoeybi et al. 2019 §B.2).
 
 The tracker's state is saved with checkpoints beside the default generators', and activation
-recomputation must replay both (see train.recompute).
+recomputation replays both: `recompute` below restores the default stream (torch's checkpoint does that)
+and the tracker's stream to where they stood when the forward first ran, so the recomputed masks are the
+masks of the forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 TP_SEED_OFFSET = 2718  # keeps the TP stream apart from the default stream of the same seed
 
@@ -48,3 +52,25 @@ class TPRNGTracker:
         finally:
             self.state = self._get()
             self._set(outside)
+
+
+def recompute(function: Callable, *args, tracker: TPRNGTracker | None = None):
+    """function(*args) without keeping its activations: backward runs it again first (torch's non-reentrant
+    checkpoint). Both RNG streams replay, so dropout inside draws the same masks in both runs."""
+    def contexts():
+        if tracker is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), _replayed(tracker, tracker.state)  # the state as the forward begins
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=contexts)
+
+
+@contextlib.contextmanager
+def _replayed(tracker: TPRNGTracker, state: torch.Tensor):
+    """Run the recomputation from the tracker state the forward started at, then put the live state back."""
+    live, tracker.state = tracker.state, state
+    try:
+        yield
+    finally:
+        tracker.state = live

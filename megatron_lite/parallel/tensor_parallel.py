@@ -123,8 +123,7 @@ def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, rng: TPRN
             full = getattr(parent, attr)
             kwargs = {"segments": segments} if segments else {}
             setattr(parent, attr, layer.from_full(full, tp_group, sequence_parallel=sequence_parallel, **kwargs))
-        if rng is not None:
-            block.attn.dropout_rng = rng.fork
+        block.attn.tp_rng = rng
         if sequence_parallel:
             block.norm1 = _sequence_parallel_norm(block.norm1, tp_group)
             block.norm2 = _sequence_parallel_norm(block.norm2, tp_group)
@@ -139,4 +138,5 @@ def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, rng: TPRN
     if model.lm_head is not None:
         model.lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_group)
     model.head = VocabParallelHead(cfg.vocab_size, model.wte.vocab_start, tp_group, sequence_parallel)
+    model.tp_rng = rng
     return model

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron_lite import metrics
 from megatron_lite.config import ModelConfig
 from megatron_lite.metrics import (MetricsLogger, layer_flops_per_token, model_flops_per_token, peak_flops,
-                                   resolve_wandb_mode, step_flops)
+                                   recompute_flops_per_token, resolve_wandb_mode, step_flops)
 from megatron_lite.model.gpt import GPT
 from tests.utils.wandb_reader import read_wandb_history
 
@@ -43,6 +43,33 @@ def test_formula_equals_flop_counter_on_the_real_model(kw):
     assert model_flops_per_token(cfg, s, causal=False) * n_tok == counter.get_total_flops()
 
 
+@pytest.mark.parametrize("mode, every", [("selective", 1), ("full", 1), ("full", 2)])
+def test_hfu_counts_what_recomputation_reruns(mode, every):
+    """The extra FLOPs FlopCounterMode sees with recomputation on (math SDPA: two bmms, the full s x s
+    matrix) equal recompute_flops_per_token for the math path; torch's early stop skips fc_out in `full`
+    and P x V in `selective`, and the count says so. HFU's extra is the same count, causal."""
+    cfg = ModelConfig(**dict(GPT2, n_layers=3))
+    b, s = 2, cfg.seq_len
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1))
+
+    def counted(model: GPT) -> int:
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        return counter.get_total_flops()
+
+    model = GPT(cfg)
+    baseline = counted(model)
+    model.set_recompute(mode, every)
+    measured_extra = counted(model) - baseline
+    assert measured_extra == recompute_flops_per_token(cfg, s, mode, every, fused_core=False, causal=False) * b * s
+    model_flops, hw_flops = step_flops(cfg, b * s, mode, every, fused_core=False)
+    assert hw_flops - model_flops == recompute_flops_per_token(cfg, s, mode, every, fused_core=False) * b * s
+    dense, core = layer_flops_per_token(cfg, s)
+    fc_out = 2 * cfg.ffn * cfg.d_model
+    by_hand = {"selective": 3 * core // 2, "full": (3 if every == 1 else 2) * (dense - fc_out + core)}[mode]
+    assert hw_flops - model_flops == by_hand * b * s
+
+
 # Hand-derived per-token forward FLOPs for h=4, a=2, k=1 (GQA), d=2, f=8, s=6, V=10, one layer, SwiGLU:
 #   QKV 2*4*(2+2)*2 = 64, out 2*2*2*4 = 32, MLP 2*4*8*3 = 192 (dense 288), core 2*2*6*2*2 / 2 = 48, head 2*4*10 = 80.
 TINY = ModelConfig(n_layers=1, n_heads=2, n_kv_heads=1, d_model=4, ffn_hidden=8, seq_len=6, vocab_size=10,
@@ -55,12 +82,14 @@ def test_formula_by_hand_and_hfu_per_recompute_mode():
     assert model_flops_per_token(TINY, 6) == 3 * fwd == 1248
     assert step_flops(TINY, 100, "none") == (1248 * 100, 1248 * 100)
     assert step_flops(TINY, 100, "selective") == (1248 * 100, (1248 + 48) * 100)  # + attention core forward
-    assert step_flops(TINY, 100, "full") == (1248 * 100, (1248 + 288 + 48) * 100)  # + every layer's forward
+    assert step_flops(TINY, 100, "selective", fused_core=False) == (1248 * 100, (1248 + 24) * 100)  # QK^T only
+    # + the layer's forward but fc_out (2 f h = 64), which torch's early stop never reruns
+    assert step_flops(TINY, 100, "full") == (1248 * 100, (1248 + 288 - 64 + 48) * 100)
     # MFU and HFU share the time, devices and peak; their ratio is hardware / model FLOPs.
     model, hw = step_flops(TINY, 100, "full")
     dt, devices, peak = 0.5, 4, 1e6
     mfu, hfu = model / dt / (devices * peak), hw / dt / (devices * peak)
-    assert mfu == pytest.approx(0.0624) and hfu / mfu == pytest.approx(1584 / 1248)
+    assert mfu == pytest.approx(0.0624) and hfu / mfu == pytest.approx(1520 / 1248)
     with pytest.raises(ValueError, match="recompute='some'"):
         step_flops(TINY, 100, "some")
 
