@@ -1,13 +1,23 @@
 """Fused kernels (Triton) with torch references; `kernels.backend` picks which one runs.
 
-Each kernel will live in its own file here: the @triton.jit kernel, its launcher, the autograd wrapper and
-the plain torch reference the tests compare against. This release ships the dispatch rule only; every op
-runs its torch reference. (This top-level package shadows PyPI's unrelated `kernels` package.)
+One file per kernel: the @triton.jit kernel(s), the launcher, the autograd wrapper and the plain torch
+reference the tests compare against (rmsnorm, layernorm, rope, swiglu, gelu, cross_entropy). `kernels.ops`
+dispatches on a backend string: "torch" runs the reference, "triton" the kernel. Kernel modules are
+imported lazily, so the torch backend never imports Triton.
+
+On a machine without a GPU, Triton runs in its interpreter (TRITON_INTERPRET=1, set before triton is first
+imported): slow, and meant for tests. Attention stays on torch's scaled_dot_product_attention (flash on
+GPU); a Triton attention would have to beat it on a GPU first, and none was measured.
+
+This top-level package shadows PyPI's unrelated `kernels` package (which transformers probes for); the two
+cannot be installed side by side.
 """
 
 from __future__ import annotations
 
 import torch
+
+BACKENDS = ("torch", "triton")
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:

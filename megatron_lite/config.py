@@ -337,5 +337,12 @@ def validate(cfg: Config, world_size: int) -> None:
               "use auto, never, or a path to a step_<N> directory")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("auto", "offline", "online", "disabled"))
     _choice("kernels.backend", cfg.kernels.backend, ("auto", "triton", "torch"))
-    if cfg.kernels.backend == "triton":
-        _fail("kernels.backend", "triton", "is not available in this build yet", "use kernels.backend=torch or auto")
+    if cfg.kernels.backend == "triton" and not _has_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("kernels.backend", "triton", "needs a GPU, or Triton's CPU interpreter (slow; for tests)",
+              "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting")
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

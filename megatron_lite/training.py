@@ -76,6 +76,7 @@ def run(cfg: Config) -> dict:
     tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
     model = parallelize(model, ctx.tp_group, cfg.parallel.sp, tp_rng)  # shards the full weights: same model as tp=1
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
+    model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage)
     engine = Engine(cfg, model, ctx, load_universal=universal)
 

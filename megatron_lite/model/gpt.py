@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import ops
 from megatron_lite.config import ModelConfig
 from megatron_lite.parallel.random import TPRNGTracker, recompute
 
@@ -33,21 +34,35 @@ def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
 
 
 class RMSNorm(nn.Module):
+    kernel_backend = "torch"  # `kernels.backend`, set by GPT.set_kernels
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps, self.kernel_backend)
+
+
+class LayerNorm(nn.LayerNorm):
+    kernel_backend = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, self.kernel_backend)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+    return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can leave its bias out, for a kernel that fuses the bias add (GeLU)."""
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if add_bias else None)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,19 +73,19 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tupl
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (kernels/rope.py)."""
+    return ops.apply_rope(x, cos, sin, backend)
 
 
 class Attention(nn.Module):
+    kernel_backend = "torch"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=cfg.bias)
-        self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.qkv = Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=cfg.bias)
+        self.proj = Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.rope = cfg.position == "rope"
         # The per-TP-rank stream for attention-probability dropout (heads are split over TP); set by parallelize.
@@ -88,7 +103,7 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, self.kernel_backend), apply_rope(k, cos, sin, self.kernel_backend)
         if self.recompute_core and torch.is_grad_enabled():
             y = recompute(self.core, q, k, v, tracker=self.tp_rng)
         else:
@@ -105,19 +120,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernel_backend = "torch"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
-        self.fc_in = nn.Linear(cfg.d_model, cfg.ffn * (2 if self.swiglu else 1), bias=cfg.bias)
-        self.fc_out = nn.Linear(cfg.ffn, cfg.d_model, bias=cfg.bias)
+        self.fc_in = Linear(cfg.d_model, cfg.ffn * (2 if self.swiglu else 1), bias=cfg.bias)
+        self.fc_out = Linear(cfg.ffn, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc_in(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = ops.swiglu(self.fc_in(x), self.kernel_backend)  # (b, s, 2f) = [gate | up] -> (b, s, f)
+        elif self.kernel_backend == "triton":  # the fc_in bias is added inside the GeLU kernel
+            h = ops.bias_gelu(self.fc_in(x, add_bias=False), self.fc_in.bias, self.kernel_backend)
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = ops.bias_gelu(self.fc_in(x), None, self.kernel_backend)
         return self.fc_out(h)
 
 
@@ -136,6 +153,8 @@ class Block(nn.Module):
 class LMHead(nn.Module):
     """Logits over the true vocabulary (padded rows never scored); mean fp32 cross entropy given labels."""
 
+    kernel_backend = "torch"
+
     def __init__(self, vocab_size: int):
         super().__init__()
         self.vocab_size = vocab_size
@@ -144,7 +163,7 @@ class LMHead(nn.Module):
         logits = F.linear(h, weight[: self.vocab_size])  # (b, s, vocab)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), None, self.kernel_backend).mean()
 
 
 class GPT(nn.Module):
@@ -158,7 +177,7 @@ class GPT(nn.Module):
         self.to_blocks = nn.Identity()  # where sequence parallelism scatters the sequence over TP ranks
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, self.padded_vocab, bias=False)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, self.padded_vocab, bias=False)
         self.head = LMHead(cfg.vocab_size)
         self.tp_rng: TPRNGTracker | None = None  # replayed with the default stream when blocks are recomputed
         self.recomputed_blocks: frozenset[int] = frozenset()
@@ -200,6 +219,14 @@ class GPT(nn.Module):
             else:
                 x = block(x, rope)
         return self.norm_f(x)
+
+    def set_kernels(self, backend: str) -> None:
+        """kernels.backend after resolution: `torch` (references) or `triton` (fused kernels) in every module
+        that has a fused alternative (norms, RoPE, SwiGLU / bias-GeLU, cross entropy), sharded ones included."""
+        assert backend in ops.BACKENDS, backend
+        for module in self.modules():
+            if hasattr(module, "kernel_backend"):
+                module.kernel_backend = backend
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... and reruns each such

@@ -84,10 +84,12 @@ class ColumnParallelLinear(nn.Module):
         b = shard_segments(linear.bias.data, segments, 0, tp_group) if linear.bias is not None else None
         return cls(w, b, tp_group=tp_group, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """add_bias=False leaves the bias to the caller (a kernel that fuses it, as bias-GeLU does)."""
+        bias = self.bias if add_bias else None
         if self.sequence_parallel:  # x: (b, s/tp, h) sequence shard
-            return _SequenceGatherLinear.apply(x, self.weight, self.bias, self.tp_group)
-        return F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)  # (b, s, out/tp)
+            return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group)
+        return F.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_lite.model.gpt import GPT, RMSNorm
+from kernels import ops
+from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -53,23 +54,21 @@ class ForkedDropout(nn.Dropout):
             return super().forward(x)
 
 
-class SequenceParallelLayerNorm(nn.LayerNorm):
+class SequenceParallelLayerNorm(LayerNorm):
     """LayerNorm on a sequence shard; gain/bias gradients are summed over TP by copy_to_tp's backward."""
 
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.tp_group), bias, self.eps)
+        return ops.layer_norm(x, copy_to_tp(self.weight, self.tp_group), bias, self.eps, self.kernel_backend)
 
 
 class SequenceParallelRMSNorm(RMSNorm):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp(self.weight, self.tp_group) * y.to(x.dtype)
+        return ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps, self.kernel_backend)
 
 
 def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module:
@@ -85,6 +84,8 @@ def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module:
 class VocabParallelHead(nn.Module):
     """Local logits for this rank's vocabulary range, then vocab-parallel cross entropy."""
 
+    kernel_backend = "torch"
+
     def __init__(self, vocab_size: int, vocab_start: int, tp_group, sequence_parallel: bool):
         super().__init__()
         self.vocab_size, self.vocab_start = vocab_size, vocab_start
@@ -94,6 +95,11 @@ class VocabParallelHead(nn.Module):
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         logits = F.linear(h, weight)  # (b, s, V_padded/tp)
         valid = self.vocab_size - self.vocab_start  # ids at or past the true vocabulary are padding
+        if labels is not None and self.kernel_backend == "triton":  # the kernel skips padded columns itself
+            from kernels.cross_entropy import cross_entropy_triton  # imports Triton
+
+            return cross_entropy_triton(logits.flatten(0, 1), labels.flatten(), valid, self.vocab_start,
+                                        self.tp_group).mean()
         if valid < logits.shape[-1]:
             padded = torch.arange(logits.shape[-1], device=logits.device) >= valid
             logits = logits.masked_fill(padded, float("-inf"))

@@ -19,6 +19,15 @@ def test_tensor_and_sequence_parallel_match_serial(tp):
     assert proc.stdout.count("max |diff|") == 8, proc.stdout
 
 
+def test_triton_kernels_under_tensor_and_sequence_parallel_match_serial():
+    """tp=2 with kernels.backend=triton (Triton's interpreter on CPU) against the serial torch model."""
+    proc = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/tp_worker.py"), "triton"),
+                          env=rank_env(TRITON_INTERPRET="1"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    clean_shared_memory()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("kernels=triton") == 8, proc.stdout
+
+
 def test_dropout_masks_differ_inside_tp_regions_and_agree_outside():
     proc = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/dropout_worker.py")),
                           env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)

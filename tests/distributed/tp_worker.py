@@ -1,6 +1,8 @@
 """Tensor/sequence parallel vs the serial model with the same weights: loss, logits and every gradient.
 
-Run under torchrun (gloo); the whole world is one TP group. Each rank compares its gradient shards with the
+Run under torchrun (gloo); the whole world is one TP group. argv[1] = kernels backend of the parallel model
+(torch, or triton: fused norms, RoPE, SwiGLU/GeLU and the vocab-parallel cross-entropy kernel, which
+combine their statistics across TP ranks); the serial model always runs the torch references. Each rank compares its gradient shards with the
 same shards of the serial model's gradients (so, over all ranks, every gathered gradient is compared).
 Tolerances: loss and logits 1e-5, gradients 1e-5 absolute + 1e-4 relative (cross-rank sums reorder fp32
 additions). Exits non-zero naming the first mismatch; rank 0 prints the largest differences seen.
@@ -33,15 +35,16 @@ def segments_of(name: str, cfg: ModelConfig, full: torch.Tensor, dim: int) -> li
     return [full.shape[dim]]
 
 
-def compare(flavour: str, sp: bool, worst: dict) -> None:
+def compare(flavour: str, sp: bool, worst: dict, backend: str) -> None:
     group, tp = dist.group.WORLD, dist.get_world_size()
     cfg = ModelConfig(**FLAVOURS[flavour])
     torch.manual_seed(0)
     serial = GPT(cfg, tp=tp)
     parallel = parallelize(copy.deepcopy(serial), group, sequence_parallel=sp)
+    parallel.set_kernels(backend)  # the serial model keeps the torch references
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
-    tag = f"{flavour} tp={tp} sp={sp}"
+    tag = f"{flavour} tp={tp} sp={sp} kernels={backend}"
 
     loss_s, loss_p = serial(x, y), parallel(x, y)
     loss_s.backward()
@@ -69,12 +72,12 @@ def compare(flavour: str, sp: bool, worst: dict) -> None:
     worst[tag + " loss"] = loss_gap
 
 
-def main() -> None:
+def main(backend: str) -> None:
     dist.init_process_group("gloo")
     worst: dict = {}
     for flavour in FLAVOURS:
         for sp in (False, True):
-            compare(flavour, sp, worst)
+            compare(flavour, sp, worst, backend)
     if dist.get_rank() == 0:
         for tag, gap in worst.items():
             print(f"max |diff| {tag}: {gap:.2e}")
@@ -83,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "torch")

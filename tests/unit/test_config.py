@@ -49,6 +49,8 @@ BAD = [
     (["train.foo=1"], 1, "train.foo=1 is not a config key"),
     (["train.steps=abc"], 1, "train.steps=abc"),
     (["train.steps"], 1, "not an override"),
+    (["train.recompute=some"], 1, "train.recompute=some is not a valid choice"),
+    (["train.recompute=full", "train.recompute_every=0"], 1, "train.recompute_every=0 must be >= 1"),
 ]
 
 
@@ -59,6 +61,16 @@ def test_bad_value_gives_one_line(overrides, world, expected, data_dir):
     message = str(err.value)
     assert expected in message
     assert "\n" not in message and ";" in message  # one line, with a fix after the reason
+
+
+def test_triton_on_cpu_needs_the_interpreter(data_dir, monkeypatch):
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("a GPU runs Triton natively")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"kernels.backend=triton needs a GPU.*TRITON_INTERPRET=1"):
+        load([f"data.path={data_dir}", "kernels.backend=triton"], world_size=1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert load([f"data.path={data_dir}", "kernels.backend=triton"], world_size=1).kernels.backend == "triton"
 
 
 def test_missing_data_path_names_the_fix():
