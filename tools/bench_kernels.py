@@ -1,0 +1,144 @@
+"""Each fused kernel's time and achieved bandwidth against torch eager and torch.compile of its reference.
+
+    python tools/bench_kernels.py --out bench/results/kernels_h100.json     # on a GPU, bf16
+    TRITON_INTERPRET=1 python tools/bench_kernels.py --quick                # CPU: checks the tool runs only
+
+For every op, forward and forward + backward are timed for three implementations of the same function:
+the Triton kernel, the torch reference run eagerly, and torch.compile of the reference. Achieved GB/s is
+the op's minimum memory traffic (every input read once, every output written once; for backward also
+the incoming gradient read and the input gradients written) divided by the time, and it is compared with
+the device's measured copy bandwidth (a large device-to-device copy: read + write). Targets (issue #4):
+memory-bound kernels >= 80% of copy bandwidth and >= 1.5x torch eager.
+
+On CPU the Triton interpreter runs the kernels in numpy: the timings say nothing about kernel speed, so
+the tool runs tiny shapes once to show that every path works and writes no result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import cross_entropy, gelu, layernorm, rmsnorm, rope, swiglu  # noqa: E402
+from tools.bench_throughput import git_commit  # noqa: E402
+
+
+def cases(tokens: int, hidden: int, ffn: int, heads: int, vocab: int, dtype, device):
+    """(name, triton fn, reference fn, inputs, bytes forward, bytes forward+backward) at a GPT shape."""
+    def t(*shape, grad=True, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt).requires_grad_(grad)
+
+    e = torch.finfo(dtype).bits // 8
+    hd, s = hidden // heads, 2048 if tokens >= 2048 else tokens
+    b = tokens // s
+    x, w, bias = t(tokens, hidden), t(hidden), t(hidden)
+    q = t(b, s, heads, hd).transpose(1, 2)  # the model's (b, heads, s, hd) view (a non-leaf: grad flows to the base)
+    angles = torch.randn(s, hd // 2, device=device)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    h_up, h_ffn, b_ffn = t(tokens, 2 * ffn), t(tokens, ffn), t(ffn)
+    logits, labels = t(tokens, vocab), torch.randint(0, vocab, (tokens,), device=device)
+    n = tokens * hidden
+    yield "rmsnorm", rmsnorm.rms_norm_triton, rmsnorm.rms_norm_reference, (x, w, 1e-5), 2 * n * e, 5 * n * e
+    yield ("layernorm", layernorm.layer_norm_triton, layernorm.layer_norm_reference, (x, w, bias, 1e-5),
+           2 * n * e, 5 * n * e)
+    yield "rope", rope.apply_rope_triton, rope.apply_rope_reference, (q, cos, sin), 2 * n * e, 4 * n * e
+    m = tokens * ffn
+    yield "swiglu", swiglu.swiglu_triton, swiglu.swiglu_reference, (h_up,), 3 * m * e, 8 * m * e
+    yield "bias_gelu", gelu.bias_gelu_triton, gelu.bias_gelu_reference, (h_ffn, b_ffn), 2 * m * e, 5 * m * e
+    v = tokens * vocab
+    # The kernel's backward writes the gradient over its logits, so repeated calls see changed (finite)
+    # values; the traffic, and so the timing, is the same.
+    yield ("cross_entropy", cross_entropy.cross_entropy_triton, cross_entropy.cross_entropy_reference,
+           (logits, labels), v * e, 3 * v * e)
+
+
+def timer(device):
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100) / 1e3  # seconds (median)
+
+    def once(fn):
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return once
+
+
+def copy_bandwidth(device, measure) -> float:
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / measure(lambda: dst.copy_(src))
+
+
+def run_case(fn, inputs, backward: bool):
+    tensors = [i for i in inputs if isinstance(i, torch.Tensor) and i.requires_grad]
+    if not backward:
+        def step():
+            with torch.no_grad():
+                fn(*inputs)
+        return step
+
+    def step():
+        out = fn(*inputs)
+        out.backward(torch.ones_like(out))
+        for i in tensors:  # set, not accumulate, the gradient next time (no extra read-modify-write)
+            i.grad = None
+    return step
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter: checks the paths)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("bench_kernels: no GPU; set TRITON_INTERPRET=1 and pass --quick to check the tool on CPU")
+    quick = args.quick or device.type == "cpu"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    shape = dict(tokens=64, hidden=96, ffn=160, heads=4, vocab=1000) if quick else \
+        dict(tokens=8192, hidden=2048, ffn=8192, heads=16, vocab=50304)  # gpt-1.3b, 4 x 2048 tokens
+    measure = timer(device)
+    bandwidth = copy_bandwidth(device, measure) if not quick else float("nan")
+    rows = []
+    for name, fused, reference, inputs, bytes_fwd, bytes_all in cases(**shape, dtype=dtype, device=device):
+        impls = {"triton": fused, "eager": reference}
+        if not args.no_compile:
+            impls["compile"] = torch.compile(reference, dynamic=False)
+        for phase, nbytes, backward in (("fwd", bytes_fwd, False), ("fwd+bwd", bytes_all, True)):
+            times = {k: measure(run_case(fn, inputs, backward)) for k, fn in impls.items()}
+            row = {"op": name, "phase": phase, "bytes": nbytes, **{f"{k}_ms": 1e3 * v for k, v in times.items()},
+                   "triton_GBps": nbytes / times["triton"] / 1e9, "speedup_vs_eager": times["eager"] / times["triton"]}
+            if "compile" in times:
+                row["speedup_vs_compile"] = times["compile"] / times["triton"]
+            row["fraction_of_copy_bw"] = nbytes / times["triton"] / bandwidth
+            rows.append(row)
+            print(f"{name:<14}{phase:<9}" + "  ".join(f"{k} {1e3 * v:8.3f} ms" for k, v in times.items()) +
+                  f"  triton {row['triton_GBps']:7.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
+                  f"  x{row['speedup_vs_eager']:.2f} vs eager")
+    if device.type == "cpu":
+        print("CPU interpreter: every path ran; the timings are not kernel speed (no result written)")
+        return rows
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"bench": "kernels", "device": torch.cuda.get_device_name(), "dtype": args.dtype,
+                       "shape": shape, "copy_GBps": bandwidth / 1e9, "rows": rows, "commit": git_commit(),
+                       "date": datetime.date.today().isoformat()}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
