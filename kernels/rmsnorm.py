@@ -29,10 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCK_N = 65536  # widest row held in one tile (64K fp32 registers spread over a program on a GPU)
-TILE_ELEMENTS = 8192  # rows per program = TILE_ELEMENTS / padded row width, between 1 and MAX_ROWS
-MAX_ROWS = 16
-MAX_BWD_PROGRAMS = 256  # backward programs; a fixed number keeps dw's summation order device-independent
+from kernels.row_tiles import MAX_BWD_PROGRAMS, as_rows, row_tile
+
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,28 +86,14 @@ def _backward_kernel(x_ptr, w_ptr, rstd_ptr, g_ptr, dx_ptr, dw_partial_ptr, n_ro
         tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=col_ok)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., N) -> (rows, N) with unit column stride; a view when the layout allows, else a copy."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _tile(n_cols: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_N, num_warps) for rows of n_cols: a whole row per tile, several rows when narrow."""
-    block_n = triton.next_power_of_2(n_cols)
-    assert block_n <= MAX_BLOCK_N, f"rms_norm_triton holds a row in one tile: N={n_cols} > {MAX_BLOCK_N}"
-    rows = max(1, min(MAX_ROWS, TILE_ELEMENTS // block_n))
-    return rows, block_n, min(16, max(4, rows * block_n // 1024))  # 8 warps for an 8192-element tile
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         n_cols = x.shape[-1]
         assert weight.shape == (n_cols,), f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}"
-        x2d = _as_rows(x)  # (n, N)
+        x2d = as_rows(x)  # (n, N)
         n_rows = x2d.shape[0]
-        rows, block_n, num_warps = _tile(n_cols)
+        rows, block_n, num_warps = row_tile(n_cols, "rms_norm_triton")
         out = torch.empty(n_rows, n_cols, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)  # (n,)
         weight = weight.contiguous()
@@ -123,8 +107,8 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, weight, rstd = ctx.saved_tensors
         n_rows, n_cols = x2d.shape
-        rows, block_n, num_warps = _tile(n_cols)
-        g2d = _as_rows(grad_out)  # (n, N), in the output's dtype
+        rows, block_n, num_warps = row_tile(n_cols, "rms_norm_triton")
+        g2d = as_rows(grad_out)  # (n, N), in the output's dtype
         dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)  # (n, N), x's dtype
         compute_dw = ctx.needs_input_grad[1]
         n_programs = max(1, min(triton.cdiv(n_rows, rows), MAX_BWD_PROGRAMS))
