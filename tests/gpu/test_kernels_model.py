@@ -16,24 +16,31 @@ FLAVOURS = {
                       seq_len=256, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                       tie_embeddings=False),
 }
-# fp32 kernels reorder reductions (1e-4); bf16 activations round differently in fused and unfused code.
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
+# Relative error ||a - b|| / ||b|| per tensor: fp32 kernels only reorder reductions; in bf16 the fused code
+# rounds intermediates at other places than the unfused torch ops (one bf16 ulp is 0.8%).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+DEVICE = "cuda"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_triton_model_matches_torch_model(flavour, dtype):
     torch.manual_seed(0)
-    reference = GPT(ModelConfig(**FLAVOURS[flavour])).to("cuda", dtype)
+    reference = GPT(ModelConfig(**FLAVOURS[flavour])).to(DEVICE, dtype)
     fused = copy.deepcopy(reference)
     fused.set_kernels("triton")
-    tokens = torch.randint(0, 5003, (4, 257), device="cuda")
+    tokens = torch.randint(0, 5003, (4, 257), device=DEVICE)
     losses = []
     for model in (reference, fused):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         losses.append(loss.float())
-    torch.testing.assert_close(losses[1], losses[0], **TOL[dtype])
+    assert relative_error(losses[1], losses[0]) <= TOL[dtype] / 10, losses
     fused_params = dict(fused.named_parameters())
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(fused_params[name].grad.float(), p.grad.float(), **TOL[dtype], msg=name)
+        error = relative_error(fused_params[name].grad, p.grad)
+        assert error <= TOL[dtype], f"{name}: relative gradient error {error:.2e} (bf16 ulp 7.8e-3)"
