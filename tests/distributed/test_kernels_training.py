@@ -2,7 +2,8 @@
 
 Both presets (GPT-2 style: LayerNorm, bias-GeLU; Llama style: RMSNorm, RoPE, SwiGLU), fused cross entropy
 in both; the Llama run also recomputes every layer, so kernels replay inside recomputation. Tolerance
-1e-4 on every per-step loss and gradient norm (the kernels reorder fp32 reductions; measured gap ~1e-6).
+1e-4 on every per-step loss and gradient norm (the kernels reorder fp32 reductions; measured: losses
+9.5e-7 (tiny) and 0.0 (llama-tiny), gradient norms 1.1e-6 and 5.6e-7).
 """
 
 import os
