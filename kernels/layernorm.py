@@ -44,7 +44,7 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @triton.jit
 def _forward_kernel(x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, n_rows, n_cols, x_stride, eps,
                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: row * stride may pass 2^31
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,) the whole row, padded to a power of two
     col_ok = cols < n_cols
     ok = (rows < n_rows)[:, None] & col_ok[None, :]  # (ROWS, BLOCK_N)
@@ -74,7 +74,7 @@ def _backward_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, g_ptr, dx_ptr, dw_partial
     db = tl.zeros((BLOCK_N,), tl.float32)
     # Row tiles pid, pid + programs, ...: the grid is capped, so the partial buffers stay (<= 256, N).
     for tile in range(pid, tl.cdiv(n_rows, ROWS), n_programs):
-        rows = tile * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+        rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,)
         row_ok = rows < n_rows
         ok = row_ok[:, None] & col_ok[None, :]  # (ROWS, BLOCK_N)
         x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)

@@ -43,7 +43,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 @triton.jit
 def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_stride, eps,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: row * stride may pass 2^31
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,) the whole row, padded to a power of two
     ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK_N)
     # Padding loads as 0, so it adds nothing to the sum of squares; the mean divides by the true n_cols.
@@ -68,7 +68,7 @@ def _backward_kernel(x_ptr, w_ptr, rstd_ptr, g_ptr, dx_ptr, dw_partial_ptr, n_ro
     dw = tl.zeros((BLOCK_N,), tl.float32)  # this program's share of dw, summed over its row tiles
     # Row tiles pid, pid + programs, ...: the grid is capped, so the partial buffer stays (<= 256, N).
     for tile in range(pid, tl.cdiv(n_rows, ROWS), n_programs):
-        rows = tile * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+        rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,)
         row_ok = rows < n_rows
         ok = row_ok[:, None] & col_ok[None, :]  # (ROWS, BLOCK_N)
         x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
