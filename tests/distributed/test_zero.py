@@ -37,9 +37,12 @@ def test_zero_stages_match_single_process(nproc, reference, tmp_path):
         assert_same_grad_norms(result, reference)
 
 
-def test_cpu_optimizer_offload_matches_no_offload(reference, tmp_path):
+def test_cpu_offload_matches_no_offload(reference, tmp_path):
+    """Optimizer states on the CPU (stages 2 and 3), and at stage 3 the parameters too."""
     runs = [overrides(tmp_path, "offload2", "zero.stage=2", "zero.offload_optimizer=cpu"),
-            overrides(tmp_path, "offload3", "zero.stage=3", "zero.offload_optimizer=cpu")]
+            overrides(tmp_path, "offload3", "zero.stage=3", "zero.offload_optimizer=cpu"),
+            overrides(tmp_path, "offload3_param", "zero.stage=3", "zero.offload_optimizer=cpu",
+                      "zero.offload_param=cpu")]
     for result in run_configs(2, runs, tmp_path):
         gap = max_abs_diff(result["losses"], reference["losses"])
         assert gap <= TOL, f"{result['overrides'][-2:]}: max |loss - single| = {gap:.2e}"
