@@ -3,13 +3,15 @@
 GPT-2 style: LayerNorm, GeLU (tanh), learned positions, biases, tied embeddings.
 Llama style: RMSNorm, SwiGLU, RoPE (rotate-half convention, as HF Llama), no biases, GQA via n_kv_heads.
 
-Every projection is an `nn.Linear` with a stable name (`attn.qkv`, `attn.proj`, `mlp.fc_in`, `mlp.fc_out`)
+Every projection is an `nn.Linear` (a subclass that can leave out its bias) with a stable name (`attn.qkv`, `attn.proj`, `mlp.fc_in`, `mlp.fc_out`)
 so that a table-driven parallelize step can swap them for tensor-parallel layers without touching this file.
 Fused layouts, which sharding must respect:
   attn.qkv.weight rows = [q (n_heads*hd) | k (n_kv*hd) | v (n_kv*hd)]
   mlp.fc_in.weight rows = [gate (ffn) | up (ffn)] for SwiGLU, [fc (ffn)] for GeLU
 The embedding has `padded_vocab` rows (a GEMM-friendly multiple); logits are computed for the true
 vocabulary only, so padded rows never receive probability mass.
+Norms, RoPE, the MLP activation and the loss go through `kernels.ops`, which runs the torch code or a
+fused Triton kernel (`set_kernels`); `set_recompute` picks activation recomputation.
 
 Left out on purpose: KV cache / generation, attention masks other than causal, MoE.
 """
