@@ -39,6 +39,8 @@ system-deps:
 	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libaio-dev >/dev/null 2>&1; } || \
 	  echo "libaio-dev could not be installed: the NVMe offload tests will be skipped"
 
+# test: everything. test-fast: each feature once, by its cheapest case (it skips the cases marked `slow`,
+# see pyproject.toml). Both print the 15 slowest tests.
 test: data system-deps
 	$(PY) -m pytest -q tests $(ARGS)
 

@@ -1,4 +1,11 @@
-"""Shared settings for the multi-rank trajectory tests: a tiny model, a short schedule, fp32 on CPU."""
+"""Shared settings for the multi-rank trajectory tests: a tiny model, a short schedule, fp32 on CPU.
+
+Trajectory tests compare the per-step loss and the per-step gradient norm (before clipping). Both are
+needed: Adam's update is invariant to the gradient's scale (and clipping at train.grad_clip=1.0 rescales
+every step of these tiny models, whose norms are 1.5-3.5), so a gradient that is 2x too large (a wrong
+accumulation or DP averaging factor) leaves the losses unchanged to 5e-7; the gradient norm doubles.
+Losses are compared in absolute terms (their scale, ~ln(vocab), is the same in every test), gradient norms
+relative to the reference (their size depends on the model and the step)."""
 
 # 8 sequences per step: accumulation 4 at dp=1, 2 at dp=2, 1 at dp=4 (same global batch every time).
 BASE = [
@@ -15,3 +22,9 @@ def overrides(tmp_path, name: str, *extra: str) -> list[str]:
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def max_relative_diff(a: list[float], b: list[float]) -> float:
+    """max |a_i - b_i| / |b_i|, b being the reference."""
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

@@ -2,18 +2,20 @@
 
 Both presets (GPT-2 style: LayerNorm, bias-GeLU; Llama style: RMSNorm, RoPE, SwiGLU), fused cross entropy
 in both; the Llama run also recomputes every layer, so kernels replay inside recomputation. Tolerance
-1e-4 on every per-step loss and gradient norm (the kernels reorder fp32 reductions; measured: losses
-9.5e-7 (tiny) and 0.0 (llama-tiny), gradient norms 1.1e-6 and 5.6e-7).
+1e-4 on every per-step loss (absolute) and gradient norm (relative); the kernels reorder fp32 reductions.
+Measured: losses 9.5e-7 (tiny) and 0.0 (llama-tiny), gradient norms 5.3e-7 and 2.4e-7; ZeRO-3 tp=2 + SP
+against dp=2: 0.0 and 2.6e-7.
 """
 
 import os
 
 import pytest
 
-from tests.distributed.common import max_abs_diff, overrides
+from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import run_configs
 
 
+@pytest.mark.slow  # ~40 s; the quick tier trains with Triton kernels in the test below
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
 def test_triton_backend_follows_torch_backend(tmp_path):
     runs = []
@@ -26,8 +28,8 @@ def test_triton_backend_follows_torch_backend(tmp_path):
         assert len(triton_run["losses"]) == 4
         gap = max_abs_diff(triton_run["losses"], torch_run["losses"])
         assert gap <= 1e-4, f"{triton_run['overrides']}: max |loss(triton) - loss(torch)| = {gap:.2e}"
-        norms = max_abs_diff(triton_run["grad_norms"], torch_run["grad_norms"])
-        assert norms <= 1e-4, f"{triton_run['overrides']}: grad norms differ by {norms:.2e}"
+        norms = max_relative_diff(triton_run["grad_norms"], torch_run["grad_norms"])
+        assert norms <= 1e-4, f"{triton_run['overrides']}: grad norms differ by {norms:.2e} (relative)"
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -41,4 +43,5 @@ def test_triton_backend_composes_with_zero3_and_tensor_sequence_parallel(tmp_pat
     ], tmp_path)
     gap = max_abs_diff(triton_run["losses"], torch_run["losses"])
     assert gap <= 1e-4, f"ZeRO-3 tp=2 SP triton vs dp=2 torch: max |loss diff| = {gap:.2e}"
-    assert max_abs_diff(triton_run["grad_norms"], torch_run["grad_norms"]) <= 1e-4
+    norms = max_relative_diff(triton_run["grad_norms"], torch_run["grad_norms"])
+    assert norms <= 1e-4, f"ZeRO-3 tp=2 SP triton vs dp=2 torch: grad norms differ by {norms:.2e} (relative)"

@@ -1,6 +1,11 @@
-"""tp in {1, 2, 4} x sp in {off, on} x {GPT-2 style, Llama style with GQA}: loss, logits and every gradient
-equal the serial model's (tolerances and measured gaps in tests/distributed/tp_worker.py; measured
-max |diff|: gradients <= 1.4e-7, loss <= 4.8e-7)."""
+"""tp in {2, 4} x sp in {off, on} x {GPT-2 style, Llama style with GQA}: loss, logits and every gradient
+equal the serial model's within a relative error ||tp - serial|| / ||serial|| of 1e-5 (why: in
+tests/distributed/tp_worker.py). Measured, torch and Triton kernels alike: gradients <= 5.1e-7, loss and
+logits <= 2.4e-7; a gradient scaled by 1.01 gives 1e-2, a missing backward all-reduce 0.4.
+
+There is no tp=1 case: parallelize() returns a one-rank model unchanged, so it would compare the serial
+model with a copy of itself. The serial model is checked against independent code in
+tests/unit/test_hf_parity.py (Hugging Face GPT-2 and Llama) and tests/unit/test_model.py."""
 
 import os
 import subprocess
@@ -10,13 +15,13 @@ import pytest
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_and_sequence_parallel_match_serial(tp):
     proc = subprocess.run(torchrun_cmd(tp, os.path.join(ROOT, "tests/distributed/tp_worker.py")),
                           env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     clean_shared_memory()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("max |diff|") == 8, proc.stdout
+    assert proc.stdout.count("max relative error") == 8, proc.stdout
 
 
 def test_triton_kernels_under_tensor_and_sequence_parallel_match_serial():

@@ -1,22 +1,25 @@
 """ZeRO 0/1/2/3 (and CPU optimizer offload) on 2 and 4 gloo ranks follow the single-process trajectory.
 
 The global batch is the same in every run (8 sequences); only how it is split over ranks and accumulation
-steps changes. Tolerance: 1e-4 absolute on the per-step loss over 6 steps in fp32. Cross-rank sums
-reorder floating-point additions, so runs are not bitwise equal; the measured gap is ~1e-6.
+steps changes. Tolerance over 6 steps in fp32: 1e-4 absolute on the per-step loss, 1e-4 relative on the
+per-step gradient norm (which must count every parameter once, whatever the layout). Cross-rank sums reorder
+floating-point additions, so runs are not bitwise equal; measured: losses <= 3.8e-6, gradient norms
+<= 1.4e-6 (ZeRO-0: 4.8e-7 and 2.0e-8).
 """
 
 import pytest
 
-from tests.distributed.common import max_abs_diff, overrides
+from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import run_configs
 
 TOL = 1e-4
 
 
-def assert_same_grad_norms(result, reference):
-    """The global gradient norm (before clipping) must count every parameter once, whatever the layout."""
-    for got, want in zip(result["grad_norms"], reference["grad_norms"]):
-        assert abs(got - want) <= 1e-4 * want, f"{result['overrides'][-3:]}: grad norm {got} vs {want}"
+def assert_follows(result, reference, what: str) -> None:
+    gap = max_abs_diff(result["losses"], reference["losses"])
+    assert gap <= TOL, f"{what}: max |loss - single| = {gap:.2e}"
+    norms = max_relative_diff(result["grad_norms"], reference["grad_norms"])
+    assert norms <= TOL, f"{what}: grad norms differ from the single process by {norms:.2e} (relative)"
 
 
 @pytest.fixture(scope="module")
@@ -27,36 +30,35 @@ def reference(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# `slow` (make test-fast skips it): the quick tier keeps one case per feature: every stage on 2 ranks, CPU
+# offload of optimizer and parameters together; TP x ZeRO is in the quick tier through test_resume.py and
+# test_kernels_training.py.
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_stages_match_single_process(nproc, reference, tmp_path):
     runs = [overrides(tmp_path, f"zero{stage}", f"zero.stage={stage}") for stage in (0, 1, 2, 3)]
     results = run_configs(nproc, runs, tmp_path)
     for stage, result in zip((0, 1, 2, 3), results):
-        gap = max_abs_diff(result["losses"], reference["losses"])
-        assert gap <= TOL, f"zero.stage={stage} on {nproc} ranks: max |loss - single| = {gap:.2e}"
-        assert_same_grad_norms(result, reference)
+        assert_follows(result, reference, f"zero.stage={stage} on {nproc} ranks")
 
 
-def test_cpu_offload_matches_no_offload(reference, tmp_path):
+@pytest.mark.parametrize("stage,offload_param", [pytest.param(2, False, marks=pytest.mark.slow),
+                                                 pytest.param(3, False, marks=pytest.mark.slow), (3, True)],
+                         ids=["z2-optimizer", "z3-optimizer", "z3-optimizer-params"])
+def test_cpu_offload_matches_no_offload(stage, offload_param, reference, tmp_path):
     """Optimizer states on the CPU (stages 2 and 3), and at stage 3 the parameters too."""
-    runs = [overrides(tmp_path, "offload2", "zero.stage=2", "zero.offload_optimizer=cpu"),
-            overrides(tmp_path, "offload3", "zero.stage=3", "zero.offload_optimizer=cpu"),
-            overrides(tmp_path, "offload3_param", "zero.stage=3", "zero.offload_optimizer=cpu",
-                      "zero.offload_param=cpu")]
-    for result in run_configs(2, runs, tmp_path):
-        gap = max_abs_diff(result["losses"], reference["losses"])
-        assert gap <= TOL, f"{result['overrides'][-2:]}: max |loss - single| = {gap:.2e}"
-        assert_same_grad_norms(result, reference)
+    extra = ["zero.offload_param=cpu"] if offload_param else []
+    (result,) = run_configs(2, [overrides(tmp_path, "offload", f"zero.stage={stage}", "zero.offload_optimizer=cpu",
+                                          *extra)], tmp_path)
+    assert_follows(result, reference, f"zero.stage={stage} CPU offload (parameters: {offload_param})")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_with_zero_matches_single_process(reference, tmp_path):
     """tp=2 x dp=2 on 4 ranks, ZeRO 1/2/3 (plus sequence parallel at stage 3) vs one process, 6 steps."""
     runs = [overrides(tmp_path, f"tp2_zero{stage}", f"zero.stage={stage}", "parallel.tp=2") for stage in (1, 2, 3)]
     runs.append(overrides(tmp_path, "tp2_sp_zero3", "zero.stage=3", "parallel.tp=2", "parallel.sp=true"))
     for result in run_configs(4, runs, tmp_path):
-        gap = max_abs_diff(result["losses"], reference["losses"])
-        assert gap <= TOL, f"{result['overrides'][-2:]}: max |loss - single| = {gap:.2e}"
-        assert_same_grad_norms(result, reference)
+        assert_follows(result, reference, " ".join(result["overrides"][-2:]))
 
 
 def _async_io_available() -> bool:
@@ -65,15 +67,14 @@ def _async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
+@pytest.mark.slow  # the first run on a machine also builds DeepSpeed's async_io op (~2 min on 2 cores)
 @pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
-def test_nvme_offload_matches_no_offload(reference, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_offload_matches_no_offload(stage, reference, tmp_path):
     """Optimizer states on NVMe (stage 2), and optimizer states plus parameters on NVMe (stage 3), through
-    DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (engine._honour_explicit_zero3_dtype):
+    DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (engine.honour_explicit_zero3_dtype):
     without it the swapped embedding came back rounded to bf16 and the losses drifted by 2.3e-4."""
-    runs = [overrides(tmp_path, "nvme2", "zero.stage=2", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}/n2"),
-            overrides(tmp_path, "nvme3", "zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_param=nvme",
-                      f"zero.nvme_path={tmp_path}/n3")]
-    for result in run_configs(2, runs, tmp_path):
-        gap = max_abs_diff(result["losses"], reference["losses"])
-        assert gap <= TOL, f"{result['overrides'][-3:]}: max |loss - single| = {gap:.2e}"
-        assert_same_grad_norms(result, reference)
+    extra = ["zero.offload_param=nvme"] if stage == 3 else []
+    (result,) = run_configs(2, [overrides(tmp_path, "nvme", f"zero.stage={stage}", "zero.offload_optimizer=nvme",
+                                          *extra, f"zero.nvme_path={tmp_path}/nvme")], tmp_path)
+    assert_follows(result, reference, f"zero.stage={stage} NVMe offload")
