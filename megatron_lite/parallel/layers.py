@@ -1,9 +1,12 @@
 """Tensor-parallel layers (Megatron's column/row split, vocab-parallel embedding), built by sharding full modules.
 
 Each layer is made with `from_full(module, tp_group, ...)` from the serial module holding the full weights,
-so a tp-sharded model initialised with seed s is the serial model initialised with seed s, sharded.
-Fused projections keep their serial layout per shard: a column-parallel weight made of segments (q|k|v, or
-gate|up) takes this rank's slice of every segment, so rank r holds [q_r | k_r | v_r].
+so a tp-sharded model initialised with seed s is the serial model initialised with seed s, sharded. One method
+per layer, `shard_of(attr, full)`, says which part of a full parameter this rank holds; `from_full` uses it,
+and so does building on the meta device (model/init.py), which draws each full tensor and keeps that part.
+`from_full` on a meta module gives a meta layer. Fused projections keep their serial layout per shard: a
+column-parallel weight made of segments (q|k|v, or gate|up) takes this rank's slice of every segment, so rank r
+holds [q_r | k_r | v_r].
 
 Sharded parameters carry `tensor_model_parallel = True` (and `partition_dim`), which DeepSpeed reads so that
 gradient-norm clipping counts TP-replicated parameters once. With sequence parallelism, parameters that see
@@ -46,6 +49,14 @@ def _mark_sharded(p: nn.Parameter, dim: int) -> nn.Parameter:
     return p
 
 
+@torch.no_grad()
+def _load_full(layer: nn.Module, full: nn.Module) -> nn.Module:
+    """Fill each parameter of `layer` with its part (layer.shard_of) of the same-named parameter of `full`."""
+    for attr, p in layer.named_parameters(recurse=False):
+        p.copy_(layer.shard_of(attr, getattr(full, attr)))
+    return layer
+
+
 class _SequenceGatherLinear(torch.autograd.Function):
     """Column-parallel matmul on a sequence shard: all-gather the shard, multiply, and keep only the *shard*
     for backward, where it is gathered again (Korthikanti et al. 2022 §4.2.2). Saving the gathered input
@@ -70,19 +81,28 @@ class _SequenceGatherLinear(torch.autograd.Function):
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r with W split by output rows. Input: replicated (or sequence shards with SP)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, tp_group, sequence_parallel: bool):
+    def __init__(self, in_features: int, segments: list[int], *, tp_group, bias: bool, sequence_parallel: bool,
+                 device=None, dtype=None):
+        """segments: the full output rows of each fused part ([out_features] for a plain projection)."""
         super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.weight = _mark_sharded(nn.Parameter(weight), 0)  # (out/tp, in)
-        self.bias = _mark_sharded(nn.Parameter(bias), 0) if bias is not None else None
+        _, size = _rank_size(tp_group)
+        assert all(seg % size == 0 for seg in segments), f"segments {segments} do not split over {size} TP ranks"
+        self.tp_group, self.sequence_parallel, self.segments = tp_group, sequence_parallel, list(segments)
+        rows = sum(segments) // size
+        self.weight = _mark_sharded(nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype)), 0)
+        self.bias = _mark_sharded(nn.Parameter(torch.empty(rows, device=device, dtype=dtype)), 0) if bias else None
+
+    def shard_of(self, attr: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full weight (out, in) or bias (out,): its slice of every segment."""
+        return shard_segments(full, self.segments, 0, self.tp_group)
 
     @classmethod
     def from_full(cls, linear: nn.Linear, tp_group, *, segments: list[int] | None = None,
                   sequence_parallel: bool = False) -> "ColumnParallelLinear":
-        segments = segments or [linear.out_features]
-        w = shard_segments(linear.weight.data, segments, 0, tp_group)
-        b = shard_segments(linear.bias.data, segments, 0, tp_group) if linear.bias is not None else None
-        return cls(w, b, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        layer = cls(linear.in_features, segments or [linear.out_features], tp_group=tp_group,
+                    bias=linear.bias is not None, sequence_parallel=sequence_parallel, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+        return _load_full(layer, linear)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """add_bias=False leaves the bias to the caller (a kernel that fuses it, as bias-GeLU does)."""
@@ -95,17 +115,29 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b with W split by input columns. Output: replicated (or sequence shards)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, tp_group, sequence_parallel: bool):
+    def __init__(self, in_features: int, out_features: int, *, tp_group, bias: bool, sequence_parallel: bool,
+                 device=None, dtype=None):
+        """in_features: the full input width, split over the TP ranks."""
         super().__init__()
+        _, size = _rank_size(tp_group)
+        assert in_features % size == 0, f"{in_features} input features do not split over {size} TP ranks"
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        weight = torch.empty(out_features, in_features // size, device=device, dtype=dtype)
         self.weight = _mark_sharded(nn.Parameter(weight), 1)  # (out, in/tp)
-        self.bias = nn.Parameter(bias) if bias is not None else None  # replicated
+        bias_full = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+        self.bias = nn.Parameter(bias_full) if bias else None  # replicated
+
+    def shard_of(self, attr: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the full weight (out, in); the bias is replicated whole."""
+        if attr == "bias":
+            return full
+        return shard_segments(full, [full.shape[1]], 1, self.tp_group)
 
     @classmethod
     def from_full(cls, linear: nn.Linear, tp_group, *, sequence_parallel: bool = False) -> "RowParallelLinear":
-        w = shard_segments(linear.weight.data, [linear.in_features], 1, tp_group)
-        b = linear.bias.data.clone() if linear.bias is not None else None
-        return cls(w, b, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
+                    sequence_parallel=sequence_parallel, device=linear.weight.device, dtype=linear.weight.dtype)
+        return _load_full(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # (b, s, out) partial sums
@@ -121,21 +153,32 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split by vocabulary range; each rank looks up its range and the partials are summed."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, *, tp_group):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group, device=None, dtype=None):
+        """num_embeddings: the full (padded) vocabulary, a multiple of the TP size."""
         super().__init__()
-        self.tp_group, self.vocab_start = tp_group, vocab_start
+        rank, size = _rank_size(tp_group)
+        assert num_embeddings % size == 0, f"{num_embeddings} embedding rows do not split over {size} TP ranks"
+        rows = num_embeddings // size
+        self.tp_group, self.vocab_start = tp_group, rank * rows
+        weight = torch.empty(rows, embedding_dim, device=device, dtype=dtype)
         self.weight = _mark_sharded(nn.Parameter(weight), 0)  # (V_padded/tp, h)
+
+    def shard_of(self, attr: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary range of the full (V_padded, h) weight."""
+        return full[self.vocab_start:self.vocab_start + self.weight.shape[0]]
 
     @classmethod
     def from_full(cls, emb: nn.Embedding, tp_group) -> "VocabParallelEmbedding":
-        rank, size = _rank_size(tp_group)
-        rows = emb.num_embeddings // size
-        return cls(emb.weight.data[rank * rows:(rank + 1) * rows].clone(), rank * rows, tp_group=tp_group)
+        layer = cls(emb.num_embeddings, emb.embedding_dim, tp_group=tp_group, device=emb.weight.device,
+                    dtype=emb.weight.dtype)
+        return _load_full(layer, emb)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: a stand-in for self.weight (a pipeline's tied copy, see pipeline/tied.py)."""
+        weight = self.weight if weight is None else weight
         local = tokens - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
+        outside = (local < 0) | (local >= weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.tp_group)
 
