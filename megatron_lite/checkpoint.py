@@ -247,7 +247,11 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     meta = read_meta(path)
     model_cfg = _model_cfg_from_meta(meta)
     if meta["kind"] == "weights":
-        return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True)
+        # Memory-mapped: a rank that builds only its share (model/build.py) reads only the tensors it takes.
+        return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True, mmap=True)
+    if meta["layout"].get("pp", 1) > 1:
+        raise ValueError(f"{path} was written by a pipeline (parallel.pp={meta['layout']['pp']}); merging pipeline "
+                         "stages is not in this build")
     if meta["layout"].get("tp", 1) > 1:
         return model_cfg, _merged_tp_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:
@@ -276,6 +280,23 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
                               f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
+        layout = meta["layout"]
+        saved_pipe = (layout.get("pp", 1), layout.get("vpp", 1), layout.get("layers_per_stage"))
+        from megatron_lite.pipeline.partition import layers_per_stage
+
+        p = cfg.parallel
+        pipe = (p.pp, p.vpp, layers_per_stage(cfg.model.n_layers, p.pp, p.vpp,
+                                              list(p.pp_layers) if p.pp_layers is not None else None))
+        if saved_pipe[0] * saved_pipe[1] > 1 or pipe[0] * pipe[1] > 1:
+            if saved_pipe[:2] != pipe[:2] or (saved_pipe[2] is not None and list(saved_pipe[2]) != list(pipe[2])):
+                raise ConfigError(f"parallel.pp={p.pp} (vpp {p.vpp}, layers {pipe[2]}) cannot resume {path}, written at "
+                                  f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {saved_pipe[2]}); "
+                                  "pipeline resharding is not in this build: resume with the saved pipeline layout")
+            if (layout["dp"], layout.get("tp", 1), layout["zero_stage"]) != (world_size // (cfg.parallel.tp * p.pp),
+                                                                           cfg.parallel.tp, cfg.zero.stage):
+                raise ConfigError(f"parallel.pp={p.pp} cannot resume {path} with another dp, tp or zero.stage than it "
+                                  f"was written with ({layout}); with a pipeline only an identical layout resumes "
+                                  "in this build")
         saved_tp, saved_stage = meta["layout"].get("tp", 1), meta["layout"]["zero_stage"]
         if saved_tp != cfg.parallel.tp and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "

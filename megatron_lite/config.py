@@ -88,6 +88,10 @@ class ParallelConfig:
     """Virtual pipeline chunks per pipeline rank (interleaved 1F1B when > 1)."""
     sp: bool = False
     """Sequence parallelism alongside tensor parallelism."""
+    schedule: str = "auto"
+    """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b or interleaved."""
+    pp_layers: Optional[list[int]] = None
+    """Layers per virtual stage (pp * vpp entries, in virtual-stage order); None splits model.n_layers evenly."""
 
 
 @dataclass
@@ -267,11 +271,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sp and m.seq_len % p.tp:
         _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
               "change model.seq_len or parallel.tp")
-    if p.pp > 1 or p.vpp > 1:
-        key, val = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.vpp", p.vpp)
-        _fail(key, val, "is not available in this build yet (the pipeline lands in a later release)",
-              "use data and tensor parallelism (parallel.tp) with zero.stage=1/2/3")
     dp = world_size // (p.tp * p.pp)
+    _validate_pipeline(cfg, dp)
 
     # --- ZeRO ---
     _choice("zero.stage", z.stage, (0, 1, 2, 3))
@@ -340,6 +341,27 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.kernels.backend == "triton" and not _has_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
         _fail("kernels.backend", "triton", "needs a GPU, or Triton's CPU interpreter (slow; for tests)",
               "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting")
+
+
+def _validate_pipeline(cfg: Config, dp: int) -> None:
+    from megatron_lite.pipeline.partition import layers_per_stage
+
+    m, p, z, t = cfg.model, cfg.parallel, cfg.zero, cfg.train
+    _choice("parallel.schedule", p.schedule, ("auto", "gpipe", "1f1b", "interleaved"))
+    if p.vpp > 1 and p.pp == 1:
+        _fail("parallel.vpp", p.vpp, "needs parallel.pp > 1 (virtual stages interleave across pipeline ranks)",
+              "set parallel.pp=2 or more, or parallel.vpp=1")
+    layers_per_stage(m.n_layers, p.pp, p.vpp, list(p.pp_layers) if p.pp_layers is not None else None)
+    if p.pp == 1:
+        return
+    if z.stage == 3:
+        _fail("zero.stage", 3, f"does not compose with parallel.pp={p.pp} (ZeRO-3 would re-gather every chunk's "
+              "parameters for every micro-batch)", "use zero.stage=1 or 2 with a pipeline, or parallel.pp=1")
+    micro = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size * dp else 0
+    if p.schedule != "gpipe" and 0 < micro < p.pp:
+        _fail("train.global_batch_size", t.global_batch_size, f"gives {micro} micro-batches per pipeline "
+              f"(micro_batch_size={t.micro_batch_size} x dp={dp}), fewer than parallel.pp={p.pp}, which 1F1B needs",
+              f"use train.global_batch_size>={p.pp * t.micro_batch_size * dp} or parallel.schedule=gpipe")
 
 
 def _has_gpu() -> bool:

@@ -211,6 +211,8 @@ def _status_line(step: int, total: int, m: dict) -> str:
             parts.append(fmt.format(m[key]))
     if isinstance(m.get("mfu"), (int, float)):
         parts.append(f"MFU {100 * m['mfu']:.2f}%")
+    if isinstance(m.get("bubble"), (int, float)):
+        parts.append(f"bubble {100 * m['bubble']:.1f}%")
     return "  ".join(parts)
 
 

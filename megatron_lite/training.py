@@ -22,12 +22,12 @@ from megatron_lite import checkpoint
 from megatron_lite.config import Config, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
-from megatron_lite.engine import Engine, lr_at, resolve_precision
+from megatron_lite.engine import Engine, deepspeed_config, honour_explicit_zero3_dtype, lr_at, resolve_precision
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
-from megatron_lite.model.gpt import GPT
+from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed
 from megatron_lite.parallel.random import TPRNGTracker
-from megatron_lite.parallel.tensor_parallel import parallelize
+from megatron_lite.pipeline.partition import layers_per_stage
 
 
 def seed_all(seed: int) -> None:
@@ -59,25 +59,45 @@ def _dp_mean(value: torch.Tensor, ctx: ParallelContext) -> float:
     return value.item() / ctx.dp_size
 
 
+def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
+    """The share of the schedule's time that pipeline ranks spent not computing, averaged over the pipeline:
+    1 - mean(compute seconds) / (longest schedule), None without a pipeline. Idle time counts wherever it
+    falls (waiting for a message, or done early while the last rank finishes). With equal costs its theory
+    is b / (1 + b) for the bubble b = (pp-1)/(vpp*m) of the ideal time (README, "Pipeline parallelism")."""
+    if ctx.pp_size == 1:
+        return None
+    mine = torch.tensor([stats.wall_s, stats.busy_s], dtype=torch.float64, device=ctx.device)
+    every = [torch.zeros_like(mine) for _ in range(ctx.pp_size)]
+    dist.all_gather(every, mine, group=ctx.pp_group)
+    every = torch.stack(every)
+    return 1.0 - every[:, 1].mean().item() / every[:, 0].max().item()
+
+
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
     init_distributed()
     ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp)
     stop = StopFlag()
-    seed_all(cfg.seed)  # identical initial weights on every rank
+    seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
 
     resume_path = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
     meta = checkpoint.read_meta(resume_path) if resume_path else None
 
-    model = GPT(cfg.model, tp=ctx.tp_size)
-    if meta is not None and meta["kind"] == "weights":
-        _, weights = checkpoint.load_model_state(resume_path)
-        model.load_state_dict(weights)
+    weights = checkpoint.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
+    p = cfg.parallel
+    pp_layers = list(p.pp_layers) if p.pp_layers is not None else None
     tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
-    model = parallelize(model, ctx.tp_group, cfg.parallel.sp, tp_rng)  # shards the full weights: same model as tp=1
+    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage)
+    partition, build_dtype = None, torch.float32
+    if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
+        if cfg.zero.offload_param == "nvme":
+            honour_explicit_zero3_dtype()
+        partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, universal), ctx)
+    # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
+    model = build_model(cfg, ctx, tp_rng, weights=weights, dtype=build_dtype, partition=partition)
+    del weights
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
-    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage)
     engine = Engine(cfg, model, ctx, load_universal=universal)
 
     start_step, consumed, wandb_id = 0, 0, None
@@ -108,7 +128,10 @@ def run(cfg: Config) -> dict:
     if start_step >= cfg.train.steps:
         logger.print(f"nothing to do: {cfg.checkpoint.dir} already holds step {start_step} of train.steps="
                      f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
-    logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}), "
+    pipeline = (f", vpp {p.vpp}, {engine.executor.schedule_name} schedule, layers per virtual stage "
+                f"{layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, pp_layers)}" if ctx.pp_size > 1 else "")
+    logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}"
+                 f"{pipeline}), "
                  f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
                  f"{resolve_backend(cfg.kernels.backend, ctx.device)}; peak {peak / 1e12:.2f} TFLOP/s per device "
                  f"({peak_source})")
@@ -117,7 +140,8 @@ def run(cfg: Config) -> dict:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
             "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
-                       "zero_stage": cfg.zero.stage},
+                       "vpp": p.vpp, "zero_stage": cfg.zero.stage,
+                       "layers_per_stage": layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, pp_layers)},
         }
         path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, tp_rng)
         logger.print(f"saved {path}")
@@ -130,12 +154,15 @@ def run(cfg: Config) -> dict:
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        bubble = _pipeline_bubble(engine.last_stats, ctx)
         record = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt, "mfu": model_flops / dt / (ctx.world_size * peak),
             "hfu": hw_flops / dt / (ctx.world_size * peak),
         }
+        if bubble is not None:
+            record["bubble"] = bubble
         if val_set is not None and step % cfg.train.eval_interval == 0:
             val = val_batches(val_set, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size, cfg.train.eval_iters)
             record["val_loss"] = _dp_mean(engine.eval_loss(val), ctx)

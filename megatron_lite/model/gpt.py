@@ -13,6 +13,16 @@ vocabulary only, so padded rows never receive probability mass.
 Norms, RoPE, the MLP activation and the loss go through `kernels.ops`, which runs the torch code or a
 fused Triton kernel (`set_kernels`); `set_recompute` picks activation recomputation.
 
+A pipeline rank builds the same class holding only its chunks (`chunks`, from megatron_lite.pipeline): the
+blocks it holds keep their global names (`blocks.7` is `blocks.7` wherever it lives), the embedding sits with
+the first virtual stage and the final norm + head with the last (a tied head keeps its own copy of `wte`).
+`forward(x, labels, chunk=k)` runs chunk k: tokens in on the first virtual stage, the loss out on the last,
+hidden states (b, s, h) — (b, s/tp, h) under SP — everywhere else.
+
+Modules are created on the meta device and only then given values (`materialize`), each parameter drawn from a
+generator keyed by (seed, its global name) (model/init.py): no rank ever allocates more than it keeps, and every
+layout starts from the weights of the whole model with the same seed. Padded embedding rows start at zero.
+
 Left out on purpose: KV cache / generation, attention masks other than causal, MoE.
 """
 
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -27,7 +38,9 @@ import torch.nn.functional as F
 
 from kernels import ops
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
 from megatron_lite.parallel.random import TPRNGTracker, recompute
+from megatron_lite.pipeline.partition import ChunkSpec
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
@@ -58,6 +71,13 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
     return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose lookup can use a stand-in weight (a pipeline's tied copy, see pipeline/tied.py)."""
+
+    def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return F.embedding(tokens, self.weight if weight is None else weight)
 
 
 class Linear(nn.Linear):
@@ -104,7 +124,7 @@ class Attention(nn.Module):
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, hd)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
-            cos, sin = rope
+            cos, sin = rope[0][:s], rope[1][:s]  # the tables cover model.seq_len; this sequence may be shorter
             q, k = apply_rope(q, cos, sin, self.kernel_backend), apply_rope(k, cos, sin, self.kernel_backend)
         if self.recompute_core and torch.is_grad_enabled():
             y = recompute(self.core, q, k, v, tracker=self.tp_rng)
@@ -152,6 +172,20 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+class LayerStack(nn.ModuleDict):
+    """Blocks keyed by their global layer index, so parameter names stay `blocks.<i>` on whichever pipeline
+    rank holds them. Indexing takes the global index; iteration yields the blocks in layer order."""
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def indices(self) -> list[int]:
+        return [int(k) for k in self.keys()]
+
+
 class LMHead(nn.Module):
     """Logits over the true vocabulary (padded rows never scored); mean fp32 cross entropy given labels."""
 
@@ -169,58 +203,112 @@ class LMHead(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: int = 1):
+    TIED_WEIGHT = -1  # forward(None, chunk=TIED_WEIGHT): the tied embedding weight as an output (pipeline/tied.py)
+
+    def __init__(self, cfg: ModelConfig, tp: int = 1, *, seed: int = 0, device: torch.device | str | None = None):
+        """Build on the meta device (no memory, no random draws), then materialise on `device` (CPU by default)
+        with the keyed init of model/init.py. device="meta" leaves that to `materialize`, after keep_chunks and
+        parallelize have cut the model to what this rank holds (model/build.py)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         self.padded_vocab = padded_vocab_size(cfg, tp)
-        self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
-        self.to_blocks = nn.Identity()  # where sequence parallelism scatters the sequence over TP ranks
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm_f = make_norm(cfg)
-        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, self.padded_vocab, bias=False)
-        self.head = LMHead(cfg.vocab_size)
+        with torch.device("meta"):
+            self.wte = Embedding(self.padded_vocab, cfg.d_model)
+            self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
+            self.drop = nn.Dropout(cfg.dropout)
+            self.to_blocks = nn.Identity()  # where sequence parallelism scatters the sequence over TP ranks
+            self.blocks = LayerStack({str(i): Block(cfg) for i in range(cfg.n_layers)})
+            self.norm_f = make_norm(cfg)
+            self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, self.padded_vocab, bias=False)
+            self.head = LMHead(cfg.vocab_size)
+            if cfg.position == "rope":  # values come with materialize()
+                self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+                self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
         self.tp_rng: TPRNGTracker | None = None  # replayed with the default stream when blocks are recomputed
         self.recomputed_blocks: frozenset[int] = frozenset()
-        if cfg.position == "rope":
-            cos, sin = rope_cos_sin(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        self.tied = None  # pipeline/tied.TiedEmbedding when a pipeline splits the tied embedding over two stages
+        # The whole model is one chunk until keep_chunks() cuts it down to a pipeline rank's share.
+        self.chunks = [ChunkSpec(chunk=0, virtual_stage=0, layers=range(cfg.n_layers), has_embedding=True,
+                                 has_head=True)]
+        # Global name -> shape of every parameter of the whole serial model: what the keyed init draws, whatever
+        # part of it this model keeps.
+        self.full_shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.materialize(device)
+
+    def keep_chunks(self, chunks: list[ChunkSpec]) -> "GPT":
+        """Drop every module this pipeline rank does not run: blocks of other stages, the embedding without the
+        first virtual stage (its tied copy stays with the head), the final norm and head without the last."""
+        self.chunks = list(chunks)
+        held = {i for spec in chunks for i in spec.layers}
+        for i in self.blocks.indices():
+            if i not in held:
+                del self.blocks[str(i)]
+        first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
+        if not first:
+            self.wpe = None
+            if not (last and self.lm_head is None):
+                self.wte = None
+        if not last:
+            self.norm_f, self.lm_head = None, None
+        return self
+
+    def _full_init(self, name: str) -> torch.Tensor:
+        return init_tensor(name, self.full_shapes[name], self.cfg, self.seed)
+
+    def materialize(self, device: torch.device | str | None = None, *, dtype: torch.dtype = torch.float32,
+                    weights: Mapping[str, torch.Tensor] | None = None,
+                    partition: Callable[[nn.Parameter], None] | None = None) -> "GPT":
+        """Give every parameter still on the meta device its value on `device`: the full tensor (the keyed init,
+        or weights[name] from a full state dict, which must fit the whole model) and then this rank's part of
+        it, one parameter at a time. partition(param) runs on each new parameter (ZeRO-3). Buffers follow."""
+        device = torch.device(device if device is not None else "cpu")
+        if weights is not None:
+            check_full_weights(weights, self.full_shapes)
+        # A copy of each checkpoint tensor: the parameter must not share memory with the caller's dict.
+        from_weights = lambda name: weights[name].clone(memory_format=torch.contiguous_format)  # noqa: E731
+        materialize(self, from_weights if weights is not None else self._full_init, device, dtype, partition)
+        if self.cfg.position == "rope":  # computed on CPU, as before, so every device gets the same bits
+            cos, sin = rope_cos_sin(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, std) everywhere, residual output projections scaled by 1/sqrt(2 * n_layers)."""
-        std = self.cfg.init_std
-        for name, p in self.named_parameters():
-            if p.dim() == 1:  # norm weights are ones, biases zeros
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith(("attn.proj.weight", "mlp.fc_out.weight")):
-                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
-            else:
-                p.normal_(0.0, std)
+        """Redraw every parameter in place with the keyed init (model/init.py): GPT-2's rules, each full tensor
+        from a generator seeded by (self.seed, its name), then cut to what this model holds (chunks, TP shards)."""
+        for name, module, attr in parameter_slots(self):
+            module._parameters[attr].copy_(local_part(module, attr, self._full_init(name)))
+
+    def embedding_weight(self) -> torch.Tensor:
+        """wte.weight, or, when a pipeline holds the tied embedding on two stages, a stand-in whose gradient is
+        summed over both stages before DeepSpeed sees it (pipeline/tied.py)."""
+        return self.wte.weight if self.tied is None else self.tied.stand_in()
 
     def head_weight(self) -> torch.Tensor:
         """The output projection: the (tied) embedding or lm_head weight, padded rows included."""
-        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return self.embedding_weight() if self.lm_head is None else self.lm_head.weight
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) -> final-normed hidden states (b, s, h)."""
-        s = tokens.shape[1]
-        x = self.wte(tokens)
-        rope = None
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> the first block's input (b, s, h), or (b, s/tp, h) under sequence parallelism."""
+        x = self.wte(tokens, self.embedding_weight())
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(s, device=tokens.device))
-        else:
-            rope = (self.rope_cos[:s], self.rope_sin[:s])
-        x = self.drop(self.to_blocks(x))
-        for i, block in enumerate(self.blocks):
+            x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.drop(self.to_blocks(x))
+
+    def run_blocks(self, x: torch.Tensor, layers: range) -> torch.Tensor:
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        for i in layers:
+            block = self.blocks[i]
             if i in self.recomputed_blocks and torch.is_grad_enabled():
                 x = recompute(block, x, rope, tracker=self.tp_rng)
             else:
                 x = block(x, rope)
-        return self.norm_f(x)
+        return x
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> final-normed hidden states (b, s, h) of a whole (one-chunk) model."""
+        return self.norm_f(self.run_blocks(self.embed(tokens), self.chunks[0].layers))
 
     def set_kernels(self, backend: str) -> None:
         """kernels.backend after resolution: `torch` (references) or `triton` (fused kernels) in every module
@@ -231,13 +319,24 @@ class GPT(nn.Module):
                 module.kernel_backend = backend
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
-        """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... and reruns each such
-        block in backward; `selective` reruns every block's attention core; `none` keeps everything."""
+        """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... (global layer indices,
+        wherever the pipeline put them) and reruns each such block in backward; `selective` reruns every block's
+        attention core; `none` keeps everything."""
         assert mode in ("none", "selective", "full") and every >= 1, (mode, every)
-        self.recomputed_blocks = frozenset(range(0, len(self.blocks), every)) if mode == "full" else frozenset()
+        self.recomputed_blocks = frozenset(range(0, self.cfg.n_layers, every)) if mode == "full" else frozenset()
         for block in self.blocks:
             block.attn.recompute_core = mode == "selective"
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (b, s, vocab) without labels; mean next-token cross entropy (fp32) with labels."""
-        return self.head(self.hidden_states(tokens), self.head_weight(), labels)
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """Run chunk `chunk` (the whole model unless cut by keep_chunks). inputs: tokens (b, s) on the first
+        virtual stage, else the previous stage's hidden states. Returns the mean next-token cross entropy (fp32)
+        when the chunk holds the head and labels are given, logits (b, s, vocab) without labels, else hidden
+        states for the next stage."""
+        if chunk == self.TIED_WEIGHT:
+            return self.wte.weight * 1.0  # a graph output, so DeepSpeed's backward hooks see the injected gradient
+        spec = self.chunks[chunk]
+        x = self.embed(inputs) if spec.has_embedding else inputs
+        x = self.run_blocks(x, spec.layers)
+        if not spec.has_head:
+            return x
+        return self.head(self.norm_f(x), self.head_weight(), labels)

@@ -70,6 +70,7 @@ class ParallelContext:
     pp_group: object
     dp_group: object
     mp_group: object  # tp x pp: the ranks that together hold one model replica
+    embed_group: object  # first and last pipeline rank of this (dp, tp) position: the two tied-embedding copies
     device: torch.device
 
     @classmethod
@@ -83,14 +84,21 @@ class ParallelContext:
         dp_groups = [grid[p, :, t].tolist() for p in range(pp) for t in range(tp)]
         pp_groups = [grid[:, d, t].tolist() for d in range(dp) for t in range(tp)]
         mp_groups = [grid[:, d, :].flatten().tolist() for d in range(dp)]
+        embed_groups = [[grid[0, d, t].item(), grid[-1, d, t].item()] for d in range(dp) for t in range(tp)] \
+            if pp > 1 else []
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         return cls(
             world_size=world, rank=rank, local_rank=local_rank, tp_size=tp, pp_size=pp, dp_size=dp,
             tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
             tp_group=_my_group(rank, tp_groups), dp_group=_my_group(rank, dp_groups),
-            pp_group=_my_group(rank, pp_groups), mp_group=_my_group(rank, mp_groups), device=device,
+            pp_group=_my_group(rank, pp_groups), mp_group=_my_group(rank, mp_groups),
+            embed_group=_my_group(rank, embed_groups), device=device,
         )
+
+    def pp_global_rank(self, pp_rank: int) -> int:
+        """The global rank of pipeline rank `pp_rank` at this rank's (dp, tp) position."""
+        return (pp_rank * self.dp_size + self.dp_rank) * self.tp_size + self.tp_rank
 
     @property
     def is_first(self) -> bool:

@@ -1,7 +1,8 @@
 """Apply tensor (and sequence) parallelism to a serial GPT: one table, applied in place, after init.
 
 The model stays single-device code; this step swaps its modules for sharded ones made from the full
-weights, so the sharded model is exactly the serial one split over ranks:
+weights, so the sharded model is exactly the serial one split over ranks. On a meta model (model/build.py) it
+makes meta shards, which materialisation then fills:
 
   attn.qkv   column-parallel, segments [q | k | v]     attn.proj   row-parallel
   mlp.fc_in  column-parallel, segments [gate | up]     mlp.fc_out  row-parallel
@@ -72,11 +73,13 @@ class SequenceParallelRMSNorm(RMSNorm):
 
 
 def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module:
-    if isinstance(norm, RMSNorm):
-        new = SequenceParallelRMSNorm(norm.weight.shape[0], norm.eps)
-    else:
-        new = SequenceParallelLayerNorm(norm.normalized_shape, eps=norm.eps, bias=norm.bias is not None)
-    new.load_state_dict(norm.state_dict())
+    """The same norm, taking over its parameters (real or meta), run on sequence shards."""
+    with torch.device("meta"):
+        if isinstance(norm, RMSNorm):
+            new = SequenceParallelRMSNorm(norm.weight.shape[0], norm.eps)
+        else:
+            new = SequenceParallelLayerNorm(norm.normalized_shape, eps=norm.eps, bias=norm.bias is not None)
+    new.load_state_dict(norm.state_dict(keep_vars=True), assign=True)
     new.tp_group = tp_group
     return new
 
@@ -135,14 +138,18 @@ def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, rng: TPRN
             block.norm2 = _sequence_parallel_norm(block.norm2, tp_group)
             if rng is not None:
                 block.drop = ForkedDropout(model.cfg.dropout, rng)
+    # A pipeline rank may hold neither the embedding nor the final norm (GPT.keep_chunks set them to None).
     if sequence_parallel:
-        model.norm_f = _sequence_parallel_norm(model.norm_f, tp_group)
+        if model.norm_f is not None:
+            model.norm_f = _sequence_parallel_norm(model.norm_f, tp_group)
         model.to_blocks = ScatterToSP(tp_group)
         if rng is not None:
             model.drop = ForkedDropout(model.cfg.dropout, rng)
-    model.wte = VocabParallelEmbedding.from_full(model.wte, tp_group)
+    if model.wte is not None:
+        model.wte = VocabParallelEmbedding.from_full(model.wte, tp_group)
     if model.lm_head is not None:
         model.lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_group)
-    model.head = VocabParallelHead(cfg.vocab_size, model.wte.vocab_start, tp_group, sequence_parallel)
+    vocab_start = dist.get_rank(tp_group) * (model.padded_vocab // tp)
+    model.head = VocabParallelHead(cfg.vocab_size, vocab_start, tp_group, sequence_parallel)
     model.tp_rng = rng
     return model

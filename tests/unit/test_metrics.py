@@ -204,3 +204,11 @@ def test_auto_wandb_mode(tmp_path, monkeypatch):
     assert resolve_wandb_mode("auto") == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert resolve_wandb_mode("auto") == "disabled"
+
+
+def test_status_line_shows_the_pipeline_bubble_only_with_a_pipeline():
+    from megatron_lite.metrics import _status_line
+
+    record = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.5}
+    assert "bubble" not in _status_line(3, 10, record)
+    assert _status_line(3, 10, {**record, "bubble": 0.1875}).endswith("MFU 50.00%  bubble 18.8%")

@@ -1,0 +1,159 @@
+"""One executor for every schedule: it runs a rank's action list (pipeline/schedules.py) step by step.
+
+  Compute F(mb, chunk)   forward of this rank's chunk on micro-batch mb; the input is the token batch on the
+                         first virtual stage, else the activation received for it; on the last virtual stage
+                         the output is the micro-batch loss, kept (divided by m) for its backward
+  Compute B(mb, chunk)   backward from the loss (last stage) or from the received output gradient; keeps the
+                         input gradient for the previous stage
+  Comm(ops)              one batch_isend_irecv of every op, all waited before the next step: the schedule
+                         placed sends and receives so that this cannot deadlock (its simulator checks it)
+
+Messages carry no shape handshake: every activation and gradient is (micro_batch, s, h), or (micro_batch,
+s/tp, h) under sequence parallelism, so receivers allocate their buffers up front. pp = 1 runs through here
+too: its schedule is F0 B0 F1 B1 ... with no Comm steps.
+
+Gradients are scaled once, at the loss (1/m over the m micro-batches of this rank's step); the DeepSpeed engine
+is configured with one accumulation step and unmanaged accumulation, so it neither rescales each chunk's output
+gradient nor steps early: the optimizer step comes after the whole schedule (engine.py).
+
+Left out (for now): releasing an activation's storage right after its send (Megatron's deallocate trick needs
+a backward that skips autograd's shape check).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.pipeline.partition import ChunkSpec
+from megatron_lite.pipeline.schedules import Comm, Compute, build_schedule
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor | None  # mean micro-batch loss, on ranks holding the last virtual stage; else None
+    wait_s: float = 0.0        # seconds blocked in p2p waits (idle time at the end of the schedule not included)
+    busy_s: float = 0.0        # seconds in forward/backward compute
+    wall_s: float = 0.0        # seconds from the schedule's first step to its last on this rank
+    timeline: list = field(default_factory=list)  # (start, end, kind, microbatch, chunk), when recorded
+
+
+def forward_only(schedule: list) -> list:
+    """The forward half of a schedule (validation): F steps and the activation messages, in the same order."""
+    out = []
+    for step in schedule:
+        if isinstance(step, Compute):
+            if step.kind == "F":
+                out.append(step)
+        else:
+            ops = tuple(op for op in step.ops if op.kind == "act")
+            if ops:
+                out.append(Comm(ops))
+    return out
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list[ChunkSpec], schedule: str, pp: int, pp_rank: int, act_shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int], pp_group):
+        """chunks: this rank's ChunkSpecs (vpp of them); schedule: a resolved schedule name; act_shape:
+        (micro_batch, s_local, h); peer_rank: pipeline rank -> global rank."""
+        self.chunks, self.schedule_name, self.pp, self.pp_rank = chunks, schedule, pp, pp_rank
+        self.act_shape, self.dtype, self.device = act_shape, dtype, device
+        self.peer_rank, self.pp_group = peer_rank, pp_group
+        self.record_timeline = False
+        self._schedules: dict[tuple[bool, int], list] = {}
+
+    def schedule(self, train: bool, m: int) -> list:
+        """This rank's steps for m micro-batches: the configured schedule to train, GPipe's forward half to
+        evaluate (any m, no backward to interleave with)."""
+        if (train, m) not in self._schedules:
+            name = self.schedule_name if train else "gpipe"
+            steps = build_schedule(name, self.pp, len(self.chunks), m)[self.pp_rank]
+            self._schedules[(train, m)] = steps if train else forward_only(steps)
+        return self._schedules[(train, m)]
+
+    def run(self, forward: Callable, micro_batches: list[torch.Tensor], train: bool = True,
+            before_backward: Callable[[], None] | None = None) -> StepStats:
+        """Run the schedule over micro_batches (each (b, s+1) tokens; m of them, the same m on every rank). forward(inputs, labels, chunk=k) is the
+        engine's forward; before_backward() runs before each backward (see engine.py). Returns this rank's mean loss (last stage) and timings; gradients are left
+        accumulated for the optimizer step."""
+        stats = StepStats(loss=None)
+        n_micro = len(micro_batches)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> the chunk's input (needs its grad)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> output, or scaled loss on the last stage
+        inbox: dict[tuple[str, int, int], torch.Tensor] = {}   # (kind, mb, chunk) -> received tensor
+        outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk) -> tensor to send
+        losses = []
+        start = time.perf_counter()
+        with torch.set_grad_enabled(train):
+            for step in self.schedule(train, n_micro):
+                t0 = time.perf_counter()
+                if isinstance(step, Comm):
+                    stats.wait_s += self._exchange(step, inbox, outbox)
+                    continue
+                mb, k = step.microbatch, step.chunk
+                spec = self.chunks[k]
+                if step.kind == "F":
+                    out = self._forward(forward, spec, micro_batches[mb], inbox.pop(("act", mb, k), None), train,
+                                        inputs, mb)
+                    if spec.has_head:
+                        losses.append(out.detach().float())
+                        if train:
+                            outputs[(mb, k)] = out / n_micro
+                    else:
+                        outbox[("act", mb, k)] = out.detach()
+                        if train:
+                            outputs[(mb, k)] = out
+                else:
+                    out = outputs.pop((mb, k))
+                    grad = None if spec.has_head else inbox.pop(("grad", mb, k))
+                    if before_backward is not None:
+                        before_backward()
+                    torch.autograd.backward(out, grad)
+                    x = inputs.pop((mb, k), None)
+                    if x is not None:
+                        outbox[("grad", mb, k)] = x.grad
+                t1 = time.perf_counter()
+                stats.busy_s += t1 - t0
+                if self.record_timeline:
+                    stats.timeline.append((t0, t1, step.kind, mb, k))
+        stats.wall_s = time.perf_counter() - start
+        assert not outputs and not inbox and not outbox, "schedule left work undone"
+        if losses:
+            stats.loss = torch.stack(losses).mean()
+        return stats
+
+    def _forward(self, forward, spec: ChunkSpec, batch: torch.Tensor, received, train: bool, inputs, mb):
+        batch = batch.to(self.device, non_blocking=True)
+        labels = batch[:, 1:] if spec.has_head else None
+        if spec.has_embedding:
+            x = batch[:, :-1]
+        else:
+            x = received
+            if train:
+                x.requires_grad_()
+                inputs[(mb, spec.chunk)] = x
+        return forward(x, labels, chunk=spec.chunk)
+
+    def _exchange(self, comm: Comm, inbox: dict, outbox: dict) -> float:
+        """Post every op of one Comm step together and wait for all; return the seconds spent waiting."""
+        ops, arrivals = [], []
+        for op in comm.ops:
+            key = (op.kind, op.microbatch, op.chunk)
+            if op.op == "send":
+                tensor = outbox.pop(key).contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, self.peer_rank(op.peer), self.pp_group))
+            else:
+                tensor = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, tensor, self.peer_rank(op.peer), self.pp_group))
+                arrivals.append((key, tensor))
+        t0 = time.perf_counter()
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        for key, tensor in arrivals:
+            inbox[key] = tensor
+        return time.perf_counter() - t0
