@@ -12,7 +12,7 @@ killed mid-write leaves `latest` on the previous checkpoint.
 Elastic resume: when the checkpoint's DP or TP size or ZeRO stage differs from the current job's, rank 0
 converts it once into DeepSpeed's universal (layout-free) format beside the shards (path/universal), and every
 rank loads that. TP shards merge and re-split by the split patterns the engine saved with the checkpoint
-(engine.tp_universal_patterns). The same conversion gives tools/convert_hf.py the full weights of a TP run.
+(model/layout.universal_split_patterns). The same conversion gives tools/convert_hf.py the full weights of a TP run.
 
 Weights-only checkpoints (`meta["kind"] == "weights"`, a single model.pt) come from tools/convert_hf.py;
 a run that resumes from one starts at its step with a fresh optimizer.

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if show:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
-        from megatron_lite.engine import check_offload_support
+        from megatron_lite.deepspeed_config import check_offload_support
 
         check_offload_support(cfg)
     except ConfigError as err:

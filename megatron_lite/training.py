@@ -22,7 +22,10 @@ from megatron_lite import checkpoint
 from megatron_lite.config import Config, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
-from megatron_lite.engine import Engine, deepspeed_config, honour_explicit_zero3_dtype, lr_at, resolve_precision
+from megatron_lite.deepspeed_config import deepspeed_config, resolve_precision
+from megatron_lite.deepspeed_repairs import honour_explicit_zero3_dtype
+from megatron_lite.engine import Engine
+from megatron_lite.lr_schedule import lr_at
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.checkpoint import load_model_state, save_model_state  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.model.gpt import padded_vocab_size  # noqa: E402
+from megatron_lite.model.layout import segments_of  # noqa: E402
 
 FLAVOURS = ("gpt2", "llama")
 # Non-persistent or legacy HF buffers: causal masks (GPT-2, transformers < 5) and RoPE frequency tables.
@@ -199,12 +200,10 @@ def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None
     if (flavour == "gpt2") != (cfg.position == "learned"):
         _refuse(f"{flavour} export of position", cfg.position, "GPT-2 has learned positions, Llama RoPE")
     hf_cfg = _hf_config(cfg, flavour)
-    hd, out = cfg.head_dim, {}
-    # Only two tensors are fused: [q | k | v] (3 parts) and [gate | up] (2 parts).
-    rows = {3: [cfg.n_heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd], 2: [cfg.ffn, cfg.ffn]}
-    for ours, theirs, transposed in _table(cfg, flavour):
+    out = {}
+    for ours, theirs, transposed in _table(cfg, flavour):  # fused tensors split into HF's separate ones
         w = sd[ours].t() if transposed else sd[ours]
-        out.update(zip(theirs, w.split(rows[len(theirs)]) if len(theirs) > 1 else (w,)))
+        out.update(zip(theirs, w.split(segments_of(ours, cfg)) if len(theirs) > 1 else (w,)))
     vocab = _vocab_names(flavour)
     out[vocab["wte.weight"]] = sd["wte.weight"][: cfg.vocab_size]  # strip the padded rows
     head = "wte.weight" if cfg.tie_embeddings else "lm_head.weight"

@@ -47,7 +47,7 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
     """(partition, dtype) for build_model under ZeRO-3: each parameter is split over the DP group as soon as it
     exists, exactly as DeepSpeed would split the built model in deepspeed.initialize (same deepspeed.zero.Init
     arguments, same per-parameter call), and in the dtype the engine trains in (bf16 params are rounded from
-    the fp32 init, as the engine's cast does). With NVMe parameter offload, engine.honour_explicit_zero3_dtype()
+    the fp32 init, as the engine's cast does). With NVMe parameter offload, deepspeed_repairs.honour_explicit_zero3_dtype()
     must run first (training.run does); Engine's param_groups reads a partitioned parameter's `ds_shape`."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator

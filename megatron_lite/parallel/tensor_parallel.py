@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kernels import ops
 from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
+from megatron_lite.model.layout import fused_segments
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -121,9 +122,9 @@ def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, rng: TPRN
     assert rng is not None or model.cfg.dropout == 0.0, "dropout under tensor parallelism needs a TPRNGTracker"
     cfg = model.cfg
     plan = {  # submodule name -> (layer, fused segments of its output rows)
-        "attn.qkv": (ColumnParallelLinear, [cfg.n_heads * cfg.head_dim] + [cfg.kv_heads * cfg.head_dim] * 2),
+        "attn.qkv": (ColumnParallelLinear, fused_segments(cfg)["attn.qkv"]),
         "attn.proj": (RowParallelLinear, None),
-        "mlp.fc_in": (ColumnParallelLinear, [cfg.ffn] * (2 if cfg.activation == "swiglu" else 1)),
+        "mlp.fc_in": (ColumnParallelLinear, fused_segments(cfg)["mlp.fc_in"]),
         "mlp.fc_out": (RowParallelLinear, None),
     }
     for block in model.blocks:

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ModelConfig, ParallelConfig, ZeroConfig
-from megatron_lite.engine import Engine, deepspeed_config
+from megatron_lite.deepspeed_config import deepspeed_config
+from megatron_lite.engine import Engine
 from megatron_lite.model.build import build_model, zero3_partitioner
+from megatron_lite.model.layout import segments_of
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext, init_distributed
 from megatron_lite.parallel.random import TPRNGTracker
@@ -52,11 +54,8 @@ def reassembled(name: str, p: torch.Tensor, cfg: ModelConfig, group) -> torch.Te
     parts = gathered(p, group)
     if p.partition_dim == 1:  # row-parallel: input columns
         return torch.cat(parts, dim=1)
-    if ".attn.qkv." in name:  # each rank holds [q_r | k_r | v_r]
-        segments = [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
-    elif ".mlp.fc_in." in name:  # [gate_r | up_r] or [fc_r]
-        segments = [cfg.ffn] * (2 if cfg.activation == "swiglu" else 1)
-    else:  # vocabulary rows
+    segments = segments_of(name, cfg)  # each rank holds [q_r | k_r | v_r], [gate_r | up_r] or [fc_r]
+    if segments is None:  # vocabulary rows
         return torch.cat(parts, dim=0)
     tp = len(parts)
     pieces = [part.split([s // tp for s in segments]) for part in parts]

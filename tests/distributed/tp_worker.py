@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model import layout
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.layers import shard_segments
 from megatron_lite.parallel.tensor_parallel import parallelize
@@ -39,11 +40,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def segments_of(name: str, cfg: ModelConfig, full: torch.Tensor, dim: int) -> list[int]:
-    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-        return [cfg.n_heads * cfg.head_dim] + [cfg.kv_heads * cfg.head_dim] * 2
-    if name.endswith("mlp.fc_in.weight") or name.endswith("mlp.fc_in.bias"):
-        return [cfg.ffn] * (2 if cfg.activation == "swiglu" else 1)
-    return [full.shape[dim]]
+    return layout.segments_of(name, cfg) or [full.shape[dim]]
 
 
 def compare(flavour: str, sp: bool, worst: dict, backend: str) -> None:

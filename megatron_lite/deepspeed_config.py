@@ -1,0 +1,101 @@
+"""Our config -> DeepSpeed's: the JSON config, the optimizer's parameter groups, and what must be checked
+before any process group starts (NVMe offload needs DeepSpeed's async-io op).
+
+DeepSpeed runs with one accumulation step and unmanaged accumulation: the pipeline executor runs all m
+micro-batches (the loss carries 1/m) and calls step() once (engine.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import Config, ConfigError
+
+
+def resolve_precision(cfg: Config) -> str:
+    if cfg.train.precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    return cfg.train.precision
+
+
+def _offload(device: str, nvme_path: str, pin: bool) -> dict:
+    out = {"device": device, "pin_memory": pin}
+    if device == "nvme":
+        out["nvme_path"] = nvme_path
+    return out
+
+
+def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) -> dict:
+    """Translate our config into DeepSpeed's JSON config.
+
+    load_universal: the checkpoint about to be loaded was written with another layout (DP or TP size, ZeRO
+    stage), so the engine must read DeepSpeed's universal format, which the checkpoint module prepares.
+    """
+    t, z, o = cfg.train, cfg.zero, cfg.optim
+    precision = resolve_precision(cfg)
+    offload_opt = z.offload_optimizer != "none"
+    zero: dict = {"stage": z.stage}
+    if z.stage > 0:
+        pin = torch.cuda.is_available()
+        zero.update(
+            contiguous_gradients=True,
+            # Unmanaged accumulation allows overlapped reduction only where gradients are partitioned.
+            overlap_comm=torch.cuda.is_available() and z.stage >= 2,
+            reduce_bucket_size=int(5e7),
+            allgather_bucket_size=int(5e7),
+        )
+        if offload_opt:
+            zero["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path, pin)
+        if z.offload_param != "none":
+            zero["offload_param"] = _offload(z.offload_param, z.nvme_path, pin)
+    ds = {
+        # One accumulation step as DeepSpeed sees it: our executor runs all m micro-batches (scaled 1/m at the
+        # loss) and calls step() once; DeepSpeed must not rescale each chunk's output gradient by 1/m again.
+        "train_batch_size": t.micro_batch_size * dp_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        # Plain ZeRO-0 fp32: we clip (Engine._clip_plain). DeepSpeed's clip_grad_norm_ counts replicated
+        # parameters on model-parallel rank 0 only, which under a pipeline drops every later stage's norms
+        # and biases, and it counts a pipeline's tied embedding twice.
+        "gradient_clipping": 0.0 if z.stage == 0 and precision == "fp32" else t.grad_clip,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                # torch's AdamW on the device; DeepSpeed's CPU Adam when the optimizer is offloaded.
+                "torch_adam": not offload_opt,
+            },
+        },
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
+    return ds
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices (weights, embeddings), not vectors (biases, norm gains). A parameter that
+    ZeRO-3 partitioned while it was built holds an empty 1-D tensor; its true shape is `ds_shape`."""
+    def is_matrix(p) -> bool:
+        return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+    decay = [p for p in model.parameters() if p.requires_grad and is_matrix(p)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not is_matrix(p)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_offload_support(cfg: Config) -> None:
+    """NVMe offload needs DeepSpeed's async-io op; say so before any process group starts."""
+    z = cfg.zero
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            key = "zero.offload_optimizer" if z.offload_optimizer == "nvme" else "zero.offload_param"
+            raise ConfigError(f"{key}=nvme needs DeepSpeed's async_io op, which cannot build here (libaio missing); "
+                              "install libaio-dev (apt) or use cpu offload")

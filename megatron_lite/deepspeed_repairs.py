@@ -1,0 +1,65 @@
+"""Where DeepSpeed 0.19 (pinned < 0.20) does not do what we need, repaired in one place, each with its reason.
+
+  honour_explicit_zero3_dtype     zero.Init ignores an explicit dtype on the CPU accelerator (NVMe offload)
+  reset_backward_hook_count       ZeRO expects a forward before every backward (1F1B's cool-down has none)
+  zero_offload_accumulators       CPU offload expects every parameter in a step's first backward (pipelines)
+  restore_group_hyperparameters   ZeRO-3 universal load copies group 0's hyperparameters and one `step` tensor
+
+Each is exercised by a test that fails without it (named in its docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def honour_explicit_zero3_dtype() -> None:
+    """DeepSpeed 0.19's zero.Init ignores the dtype it is given when the accelerator reports no fp16 support
+    (the CPU accelerator): `dtype or fp16 if fp16_supported() else bf16 if ...` parses as
+    `(dtype or fp16) if ... else bf16`. With NVMe parameter offload the swap buffers then hold bf16, so every
+    swapped (non-persistent) fp32 parameter comes back rounded to bf16 (measured: the tiny model's embedding,
+    off by up to 2.4e-4 after engine init). Give an explicit dtype precedence, as intended."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._set_dtype
+    if getattr(original, "honours_dtype", False):
+        return
+
+    def set_dtype(self, ds_config, dtype):
+        if dtype is not None:
+            self.dtype = dtype
+        else:
+            original(self, ds_config, dtype)
+
+    set_dtype.honours_dtype = True
+    Init._set_dtype = set_dtype
+
+
+def reset_backward_hook_count(optimizer) -> None:
+    """DeepSpeed's ZeRO optimizers count gradient hooks per backward and reset the count in the engine's
+    forward, assuming a forward before every backward. 1F1B's cool-down runs backwards back to back (and the
+    tied-embedding sync runs one more), so reset it before each backward as that forward would; otherwise the
+    count runs past the end, the reduction epilogue never runs and ZeRO-2 loses gradients
+    (tests/distributed/test_pipeline.py, ZeRO-2 runs)."""
+    optimizer.clear_backward_seen_flag()
+
+
+def zero_offload_accumulators(optimizer) -> None:
+    """With CPU optimizer offload, ZeRO 1/2 copy a parameter's gradient into its CPU accumulator in the step's
+    first backward and add to it afterwards, assuming every parameter takes part in the first backward. Under a
+    pipeline many do not (a later chunk's first backward, the tied-embedding sync), and they would add onto the
+    previous step's gradient. Zeroed buffers make copy and add agree (test_pipeline.py, the offload run)."""
+    for buffer in getattr(optimizer, "accumulated_grads_in_cpu", {}).values():
+        buffer.zero_()
+
+
+def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
+    """Two repairs after DeepSpeed 0.19's ZeRO-3 universal load: it copies group 0's hyperparameters into every
+    group (weight decay on biases and norms), and it hands every group the *same* `step` tensor, which torch's
+    AdamW then increments once per group per step (wrong bias correction). (test_resume.py, elastic ZeRO-3.)"""
+    for group, saved in zip(optimizer.param_groups, hparams):
+        group.update(saved)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in inner.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
