@@ -79,24 +79,23 @@ def resolve_resume(resume: str, root: str) -> str | None:
 
 # --- RNG streams ------------------------------------------------------------------------------------------
 
-def rng_state(tp_rng=None) -> dict:
-    """Every random stream this rank draws from: python, numpy, torch (CPU, CUDA) and the TP dropout stream."""
+def rng_state() -> dict:
+    """The default streams of this rank: python, numpy, torch (CPU, CUDA). Dropout masks are not among them:
+    they are keyed by (seed, step, micro-batch, layer, site, tp rank) (parallel/random.py), so the step in
+    meta.json is all an exact resume needs for them."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    if tp_rng is not None:
-        state["tp"] = tp_rng.state.clone()
     return state
 
 
-def set_rng_state(state: dict, tp_rng=None) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore rng_state(); the "tp" entry of older checkpoints (a per-TP-rank dropout stream) is ignored."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    if tp_rng is not None and "tp" in state:
-        tp_rng.state = state["tp"]
 
 
 def _encode(obj: Any) -> str:
@@ -109,7 +108,7 @@ def _decode(text: str) -> Any:
 
 # --- save / load with a DeepSpeed engine ------------------------------------------------------------------
 
-def save(engine, ctx, root: str, step: int, meta: dict, keep: int, tp_rng=None) -> str:
+def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     """Collective: every rank writes its shards, rank 0 commits. Returns the step directory."""
     tag = step_name(step)
     path = os.path.join(root, tag)
@@ -119,7 +118,7 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int, tp_rng=None) 
             shutil.rmtree(path)
     dist.barrier()
     engine.save(root, tag)
-    torch.save(rng_state(tp_rng), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
+    torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
     dist.barrier()  # every rank's files are on disk
     if ctx.is_first:
         meta = dict(meta, step=step, kind="deepspeed", rng_rank0=_encode(rng_state()))
@@ -143,12 +142,29 @@ def prune(root: str, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int) -> bool:
-    """A ZeRO checkpoint goes through the universal format when the DP or TP size or the stage changes."""
+def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int, pipe: tuple | None = None) -> bool:
+    """A ZeRO checkpoint goes through the universal format when the DP or TP size, the stage or the pipeline
+    layout (pp, vpp, layers per virtual stage) changes. pipe: the current (pp, vpp, layers_per_stage)."""
     layout = meta.get("layout")
     if meta.get("kind") != "deepspeed" or layout["zero_stage"] == 0:
         return False
+    if pipe is not None and pipe != saved_pipeline(layout):
+        return True
     return (layout["dp"], layout.get("tp", 1), layout["zero_stage"]) != (dp_size, tp_size, zero_stage)
+
+
+def saved_pipeline(layout: dict) -> tuple:
+    """(pp, vpp, layers per virtual stage) a checkpoint was written with (older ones: no pipeline)."""
+    pp, vpp = layout.get("pp", 1), layout.get("vpp", 1)
+    return pp, vpp, tuple(layout.get("layers_per_stage") or ())
+
+
+def current_pipeline(cfg) -> tuple:
+    from megatron_lite.pipeline.partition import layers_per_stage
+
+    p = cfg.parallel
+    layers = layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, list(p.pp_layers) if p.pp_layers is not None else None)
+    return p.pp, p.vpp, tuple(layers) if p.pp * p.vpp > 1 else ()
 
 
 def convert_to_universal(path: str) -> str:
@@ -176,19 +192,20 @@ def prepare_universal(path: str, ctx) -> None:
     dist.barrier()
 
 
-def load(engine, ctx, path: str, zero_stage: int, tp_rng=None) -> dict:
-    """Collective: load `path` into the engine, restore this rank's RNG streams; return meta."""
+def load(engine, ctx, path: str, zero_stage: int, pipe: tuple | None = None) -> dict:
+    """Collective: load `path` into the engine, restore this rank's RNG streams; return meta. pipe: the
+    current (pp, vpp, layers per virtual stage), see current_pipeline."""
     meta = read_meta(path)
-    if needs_universal(meta, ctx.dp_size, ctx.tp_size, zero_stage):
+    if needs_universal(meta, ctx.dp_size, ctx.tp_size, zero_stage, pipe):
         prepare_universal(path, ctx)
         engine.load(path, UNIVERSAL)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
-    # Same world: each rank continues its own streams. Resized world: ranks fall back to rank 0's streams
-    # (dropout masks then differ from an uninterrupted run, which cannot be avoided when ranks change).
+    # Same world: each rank continues its own streams. Resized world: ranks fall back to rank 0's streams.
+    # Dropout masks follow either way: they are keyed by the step, not drawn from these streams.
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
     if meta["layout"]["world_size"] == ctx.world_size and os.path.isfile(own):
-        set_rng_state(torch.load(own, weights_only=False), tp_rng)
+        set_rng_state(torch.load(own, weights_only=False))
     else:
         set_rng_state(_decode(meta["rng_rank0"]))
     return meta
@@ -216,12 +233,15 @@ def _model_cfg_from_meta(meta: dict) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _merged_tp_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
-    """Full fp32 weights of a tensor-parallel checkpoint: DeepSpeed's universal conversion merges the TP
-    shards with the split patterns saved beside them; vocabulary rows come back unpadded."""
-    if meta["layout"]["zero_stage"] == 0:
-        raise ValueError(f"{path} was written at parallel.tp={meta['layout']['tp']} with zero.stage=0; merging its "
-                         "shards needs a ZeRO 1-3 checkpoint (resume it with zero.stage=1 and save again)")
+def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
+    """Full fp32 weights of a tensor- or pipeline-parallel checkpoint: DeepSpeed's universal conversion merges
+    the TP shards with the split patterns saved beside them and unions the pipeline stages (parameter names
+    are global; the tied embedding's two copies are equal); vocabulary rows come back unpadded."""
+    layout = meta["layout"]
+    if layout["zero_stage"] == 0:
+        split = " x ".join(f"parallel.{k}={layout.get(k, 1)}" for k in ("tp", "pp") if layout.get(k, 1) > 1)
+        raise ValueError(f"{path} was written at {split} with zero.stage=0; merging its shards needs a ZeRO 1-3 "
+                         "checkpoint (resume it with zero.stage=1 and save again)")
     from megatron_lite.model.gpt import padded_vocab_size
 
     zero_dir = os.path.join(convert_to_universal(path), "zero")
@@ -249,11 +269,8 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     if meta["kind"] == "weights":
         # Memory-mapped: a rank that builds only its share (model/build.py) reads only the tensors it takes.
         return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True, mmap=True)
-    if meta["layout"].get("pp", 1) > 1:
-        raise ValueError(f"{path} was written by a pipeline (parallel.pp={meta['layout']['pp']}); merging pipeline "
-                         "stages is not in this build")
-    if meta["layout"].get("tp", 1) > 1:
-        return model_cfg, _merged_tp_weights(path, meta, model_cfg)
+    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1:
+        return model_cfg, _merged_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
@@ -280,23 +297,13 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
                               f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
-        layout = meta["layout"]
-        saved_pipe = (layout.get("pp", 1), layout.get("vpp", 1), layout.get("layers_per_stage"))
-        from megatron_lite.pipeline.partition import layers_per_stage
-
-        p = cfg.parallel
-        pipe = (p.pp, p.vpp, layers_per_stage(cfg.model.n_layers, p.pp, p.vpp,
-                                              list(p.pp_layers) if p.pp_layers is not None else None))
-        if saved_pipe[0] * saved_pipe[1] > 1 or pipe[0] * pipe[1] > 1:
-            if saved_pipe[:2] != pipe[:2] or (saved_pipe[2] is not None and list(saved_pipe[2]) != list(pipe[2])):
-                raise ConfigError(f"parallel.pp={p.pp} (vpp {p.vpp}, layers {pipe[2]}) cannot resume {path}, written at "
-                                  f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {saved_pipe[2]}); "
-                                  "pipeline resharding is not in this build: resume with the saved pipeline layout")
-            if (layout["dp"], layout.get("tp", 1), layout["zero_stage"]) != (world_size // (cfg.parallel.tp * p.pp),
-                                                                           cfg.parallel.tp, cfg.zero.stage):
-                raise ConfigError(f"parallel.pp={p.pp} cannot resume {path} with another dp, tp or zero.stage than it "
-                                  f"was written with ({layout}); with a pipeline only an identical layout resumes "
-                                  "in this build")
+        saved_pipe, pipe = saved_pipeline(meta["layout"]), current_pipeline(cfg)
+        saved_stage = meta["layout"]["zero_stage"]
+        if saved_pipe != pipe and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
+            raise ConfigError(f"parallel.pp={cfg.parallel.pp} (vpp {pipe[1]}) cannot resume {path}, written at "
+                              f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {list(saved_pipe[2])}) with "
+                              f"zero.stage={saved_stage}; pipeline resharding works between ZeRO stages 1 and 2: use "
+                              f"the saved layout, or save and resume with zero.stage=1 or 2")
         saved_tp, saved_stage = meta["layout"].get("tp", 1), meta["layout"]["zero_stage"]
         if saved_tp != cfg.parallel.tp and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "

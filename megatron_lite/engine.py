@@ -74,14 +74,18 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, float]:
-        """Run the schedule over every micro-batch, then one optimizer step. Returns (the replica's mean loss,
-        the same on every pipeline rank; grad norm)."""
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float, step: int) -> tuple[torch.Tensor, float]:
+        """Run the schedule over every micro-batch, then one optimizer step. `step` keys the dropout masks
+        with each micro-batch's place in the global batch (micro-batch j of DP rank r is j·dp + r, the sampler's
+        order), so they do not depend on the layout. Returns (the replica's mean loss, the same on every pipeline
+        rank; grad norm)."""
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
+        dp, dp_rank = self.ctx.dp_size, self.ctx.dp_rank
+        rng_keys = [(step, j * dp + dp_rank) for j in range(len(micro_batches))]
         self.module.train()
         self.set_lr(lr)
         zero_offload_accumulators(self.optimizer)
-        stats = self.executor.run(self.forward, micro_batches, before_backward=self._new_backward)
+        stats = self.executor.run(self.forward, micro_batches, before_backward=self._new_backward, rng_keys=rng_keys)
         self.last_stats = stats
         if self.tied is not None:
             self._new_backward()

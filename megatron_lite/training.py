@@ -29,7 +29,6 @@ from megatron_lite.lr_schedule import lr_at
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed
-from megatron_lite.parallel.random import TPRNGTracker
 from megatron_lite.pipeline.partition import layers_per_stage
 
 
@@ -89,15 +88,15 @@ def run(cfg: Config) -> dict:
     weights = checkpoint.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
     p = cfg.parallel
     pp_layers = list(p.pp_layers) if p.pp_layers is not None else None
-    tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
-    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage)
+    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage,
+                                                                checkpoint.current_pipeline(cfg))
     partition, build_dtype = None, torch.float32
     if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
         if cfg.zero.offload_param == "nvme":
             honour_explicit_zero3_dtype()
         partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, universal), ctx)
     # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
-    model = build_model(cfg, ctx, tp_rng, weights=weights, dtype=build_dtype, partition=partition)
+    model = build_model(cfg, ctx, weights=weights, dtype=build_dtype, partition=partition)
     del weights
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
@@ -106,7 +105,7 @@ def run(cfg: Config) -> dict:
     start_step, consumed, wandb_id = 0, 0, None
     if meta is not None:
         if meta["kind"] == "deepspeed":
-            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage, tp_rng)
+            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage, checkpoint.current_pipeline(cfg))
         start_step, consumed, wandb_id = meta["step"], meta["consumed_samples"], meta.get("wandb_id")
 
     data = TokenData(repo_path(cfg.data.path))
@@ -146,13 +145,13 @@ def run(cfg: Config) -> dict:
                        "vpp": p.vpp, "zero_stage": cfg.zero.stage,
                        "layers_per_stage": layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, pp_layers)},
         }
-        path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, tp_rng)
+        path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
         logger.print(f"saved {path}")
 
     losses, grad_norms, step, stopped = [], [], start_step, False
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
-        loss, grad_norm = engine.train_step(batches.next_step(), lr)
+        loss, grad_norm = engine.train_step(batches.next_step(), lr, step)
         loss = _dp_mean(loss, ctx)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()

@@ -70,7 +70,6 @@ def main(argv=None) -> None:
 
     from megatron_lite.config import ModelConfig
     from megatron_lite.model.gpt import GPT
-    from megatron_lite.parallel.random import TPRNGTracker
     from megatron_lite.parallel.tensor_parallel import parallelize
 
     dist.init_process_group("gloo")
@@ -84,9 +83,8 @@ def main(argv=None) -> None:
             saved = []
             for n_layers in (2, 3):  # one more layer adds exactly one layer's activations
                 torch.manual_seed(0)
-                tracker = TPRNGTracker(0, rank, torch.device("cpu"))
                 model = GPT(dataclasses.replace(cfg, n_layers=n_layers), tp=t)
-                model = parallelize(model, dist.group.WORLD, sp, tracker).train()
+                model = parallelize(model, dist.group.WORLD, sp).train()
                 model.set_recompute(recompute)
                 saved.append(saved_bytes(model, tokens))
             measured = saved[1] - saved[0]

@@ -66,7 +66,7 @@ def peak_rss_bytes() -> int:
 
 
 @torch.no_grad()
-def old_route(cfg, ctx, tp_rng):
+def old_route(cfg, ctx):
     """The trainer's construction before model/build.py: the whole fp32 model allocated and initialised in
     place on every rank, then cut to the rank's chunks and sharded."""
     from megatron_lite.model.gpt import GPT
@@ -81,32 +81,30 @@ def old_route(cfg, ctx, tp_rng):
             p.normal_(0.0, cfg.model.init_std)
     model.materialize("cpu")  # the rope buffers, if any
     model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, cfg.parallel.vpp, cfg.model.n_layers))
-    return parallelize(model, ctx.tp_group, cfg.parallel.sp, tp_rng)
+    return parallelize(model, ctx.tp_group, cfg.parallel.sp)
 
 
 def build(route: str, cfg, ctx):
     from megatron_lite.deepspeed_config import deepspeed_config
     from megatron_lite.model.build import build_model, zero3_partitioner
-    from megatron_lite.parallel.random import TPRNGTracker
 
-    tp_rng = TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None
     if route == "old":
-        return old_route(cfg, ctx, tp_rng)
+        return old_route(cfg, ctx)
     if route == "meta":
-        return build_model(cfg, ctx, tp_rng)
+        return build_model(cfg, ctx)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     ds_config = deepspeed_config(cfg, ctx.dp_size)
     if route == "zero3-old":  # what DeepSpeed's ZeRO-3 setup does with the model it is handed
-        model = old_route(cfg, ctx, tp_rng)
+        model = old_route(cfg, ctx)
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                    dist_init_required=False)
         deepspeed.zero.Init(module=model, data_parallel_group=ctx.dp_group, config_dict_or_path=ds_config,
                             dtype=torch.float32, mpu=ctx.mpu())
         return model
     partition, dtype = zero3_partitioner(ds_config, ctx)
-    return build_model(cfg, ctx, tp_rng, dtype=dtype, partition=partition)
+    return build_model(cfg, ctx, dtype=dtype, partition=partition)
 
 
 def held_bytes(model) -> int:

@@ -96,7 +96,6 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
     from megatron_lite.engine import Engine
     from megatron_lite.model.gpt import GPT
     from megatron_lite.parallel.context import ParallelContext
-    from megatron_lite.parallel.random import TPRNGTracker
     from megatron_lite.parallel.tensor_parallel import parallelize
     from megatron_lite.config import repo_path
 
@@ -105,17 +104,16 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
     counter.groups = {"tp": dist.get_process_group_ranks(ctx.tp_group) if ctx.tp_size > 1 else [],
                       "dp": dist.get_process_group_ranks(ctx.dp_group) if ctx.dp_size > 1 else []}
     torch.manual_seed(cfg.seed)
-    model = parallelize(GPT(cfg.model, tp=ctx.tp_size), ctx.tp_group, cfg.parallel.sp,
-                        TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device) if ctx.tp_size > 1 else None)
+    model = parallelize(GPT(cfg.model, tp=ctx.tp_size), ctx.tp_group, cfg.parallel.sp)
     n_params = sum(p.numel() for p in model.parameters())  # this rank's (TP-sharded) parameters
     engine = Engine(cfg, model, ctx)
     data = WindowDataset(TokenData(repo_path(cfg.data.path)).train, cfg.model.seq_len)
     batches = MicroBatches(data, cfg.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                            ctx.dp_rank, ctx.dp_size)
-    engine.train_step(batches.next_step(), 1e-3)  # warm-up step (first-use gathers, buffers)
+    engine.train_step(batches.next_step(), 1e-3, 1)  # warm-up step (first-use gathers, buffers)
     counter.bytes.clear()
     counter.active = True
-    engine.train_step(batches.next_step(), 1e-3)
+    engine.train_step(batches.next_step(), 1e-3, 2)
     counter.active = False
     engine.close()
     return dict(counter.bytes), cfg, n_params

@@ -241,7 +241,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     counter.groups = {name: dist.get_process_group_ranks(g) for name, g in (("dp", ctx.dp_group), ("pp", ctx.pp_group))}
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, tp=1).keep_chunks(rank_chunks(ctx.pp_rank, 2, 1, cfg.model.n_layers))
-    model = parallelize(model, ctx.tp_group, False, None)  # as training.run does; a no-op at tp=1
+    model = parallelize(model, ctx.tp_group, False)  # as training.run does; a no-op at tp=1
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     n_params = sum(p.numel() for p in model.parameters())
     engine = Engine(cfg, model, ctx)
@@ -254,11 +254,11 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     engine.module.step = step
     data = WindowDataset(TokenData(repo_path(cfg.data.path)).train, cfg.model.seq_len)
     batches = MicroBatches(data, cfg.seed, cfg.train.global_batch_size, micro, ctx.dp_rank, ctx.dp_size)
-    engine.train_step(batches.next_step(), 1e-3)  # warm-up
+    engine.train_step(batches.next_step(), 1e-3, 1)  # warm-up
     counter.bytes.clear()
     counter.calls.clear()
     counter.phase, counter.active = "schedule", True
-    engine.train_step(batches.next_step(), 1e-3)
+    engine.train_step(batches.next_step(), 1e-3, 2)
     counter.active = False
     engine.close()
     return {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "params": n_params,

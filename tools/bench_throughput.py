@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
 
     seq = cfg.model.seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, seq + 1), device=device)
-    ours = lambda: engine.train_step([batch], cfg.optim.lr)  # noqa: E731
+    ours = lambda: engine.train_step([batch], cfg.optim.lr, 1)  # noqa: E731
     theirs = lambda: hf_step(hf, hf_opt, batch, cfg.train.grad_clip, autocast)  # noqa: E731
     timed(ours, args.warmup, device)
     timed(theirs, args.warmup, device)

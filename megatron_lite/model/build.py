@@ -24,12 +24,11 @@ import torch.nn as nn
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext
-from megatron_lite.parallel.random import TPRNGTracker
 from megatron_lite.parallel.tensor_parallel import parallelize
 from megatron_lite.pipeline.partition import rank_chunks
 
 
-def build_model(cfg: Config, ctx: ParallelContext, tp_rng: TPRNGTracker | None, *,
+def build_model(cfg: Config, ctx: ParallelContext, *,
                 weights: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
                 partition: Callable[[nn.Parameter], None] | None = None) -> GPT:
     """This rank's chunks and TP shards, initialised from (cfg.seed, parameter name), or from `weights` (a full
@@ -39,7 +38,7 @@ def build_model(cfg: Config, ctx: ParallelContext, tp_rng: TPRNGTracker | None, 
     model = GPT(cfg.model, tp=ctx.tp_size, seed=cfg.seed, device="meta")
     pp_layers = list(p.pp_layers) if p.pp_layers is not None else None
     model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, p.vpp, cfg.model.n_layers, pp_layers))
-    model = parallelize(model, ctx.tp_group, p.sp, tp_rng)
+    model = parallelize(model, ctx.tp_group, p.sp)
     return model.materialize(ctx.device, dtype=dtype, weights=weights, partition=partition)
 
 

@@ -19,6 +19,10 @@ the first virtual stage and the final norm + head with the last (a tied head kee
 `forward(x, labels, chunk=k)` runs chunk k: tokens in on the first virtual stage, the loss out on the last,
 hidden states (b, s, h) — (b, s/tp, h) under SP — everywhere else.
 
+Dropout masks are keyed, not drawn in turn: `forward(..., rng_key=(step, micro-batch))` extends to
+(seed, step, micro-batch, layer, site) for each mask (parallel/random.py), so a chunk, a recomputed block or a
+micro-batch run out of order draws exactly the masks of the single-device model.
+
 Modules are created on the meta device and only then given values (`materialize`), each parameter drawn from a
 generator keyed by (seed, its global name) (model/init.py): no rank ever allocates more than it keeps, and every
 layout starts from the weights of the whole model with the same seed. Padded embedding rows start at zero.
@@ -28,7 +32,6 @@ Left out on purpose: KV cache / generation, attention masks other than causal, M
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, Mapping
 
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 from kernels import ops
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
-from megatron_lite.parallel.random import TPRNGTracker, recompute
+from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, keyed_default_rng, recompute
 from megatron_lite.pipeline.partition import ChunkSpec
 
 
@@ -110,11 +113,12 @@ class Attention(nn.Module):
         self.proj = Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.rope = cfg.position == "rope"
-        # The per-TP-rank stream for attention-probability dropout (heads are split over TP); set by parallelize.
-        self.tp_rng: TPRNGTracker | None = None
+        # This rank's TP rank when heads are split over TP (set by parallelize): part of the attention-dropout key.
+        self.tp_rank: int | None = None
         self.recompute_core = False  # train.recompute=selective: keep q, k, v; redo softmax(qk^T) v in backward
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, key: Key) -> torch.Tensor:
+        """key: (seed, step, micro-batch, layer), completed with the site for the attention-dropout mask."""
         qkv = self.qkv(x)  # (b, s, qkv_dim); s is the full sequence even when x holds a sequence-parallel shard
         b, s, _ = qkv.shape
         # The local head counts follow the weight shape, so a tensor-parallel shard runs this code unchanged.
@@ -127,18 +131,20 @@ class Attention(nn.Module):
             cos, sin = rope[0][:s], rope[1][:s]  # the tables cover model.seq_len; this sequence may be shorter
             q, k = apply_rope(q, cos, sin, self.kernel_backend), apply_rope(k, cos, sin, self.kernel_backend)
         if self.recompute_core and torch.is_grad_enabled():
-            y = recompute(self.core, q, k, v, tracker=self.tp_rng)
+            y = recompute(self.core, q, k, v, key)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, key)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v with causal mask and dropout: (b, heads, s, hd) for q, k, v (GQA: fewer
-        k/v heads). The memory-heavy, FLOP-light part that selective recomputation drops (Korthikanti 2022)."""
-        dropout = self.dropout if self.training else 0.0
-        with self.tp_rng.fork() if self.tp_rng is not None else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+        k/v heads). The memory-heavy, FLOP-light part that selective recomputation drops (Korthikanti 2022).
+        SDPA draws its dropout from the default generator, which is seeded from the key for the call."""
+        gqa = q.shape[1] != k.shape[1]
+        if not self.training or self.dropout == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        with keyed_default_rng((*key, "attn_probs"), self.tp_rank, q.device):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -161,15 +167,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer  # global index: part of every dropout key of this block
         self.norm1, self.attn = make_norm(cfg), Attention(cfg)
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = KeyedDropout(cfg.dropout)  # both residual branches, told apart by the site in the key
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), rope))
-        return x + self.drop(self.mlp(self.norm2(x)))
+    def forward(self, x: torch.Tensor, rope=None, key: Key = (0, 0, 0)) -> torch.Tensor:
+        """key: (seed, step, micro-batch), see parallel/random.py."""
+        key = (*key, self.layer)
+        x = x + self.drop(self.attn(self.norm1(x), rope, key), (*key, "attn_out"))
+        return x + self.drop(self.mlp(self.norm2(x)), (*key, "mlp_out"))
 
 
 class LayerStack(nn.ModuleDict):
@@ -215,16 +224,15 @@ class GPT(nn.Module):
         with torch.device("meta"):
             self.wte = Embedding(self.padded_vocab, cfg.d_model)
             self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
-            self.drop = nn.Dropout(cfg.dropout)
+            self.drop = KeyedDropout(cfg.dropout)
             self.to_blocks = nn.Identity()  # where sequence parallelism scatters the sequence over TP ranks
-            self.blocks = LayerStack({str(i): Block(cfg) for i in range(cfg.n_layers)})
+            self.blocks = LayerStack({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
             self.norm_f = make_norm(cfg)
             self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, self.padded_vocab, bias=False)
             self.head = LMHead(cfg.vocab_size)
             if cfg.position == "rope":  # values come with materialize()
                 self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
                 self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
-        self.tp_rng: TPRNGTracker | None = None  # replayed with the default stream when blocks are recomputed
         self.recomputed_blocks: frozenset[int] = frozenset()
         self.tied = None  # pipeline/tied.TiedEmbedding when a pipeline splits the tied embedding over two stages
         # The whole model is one chunk until keep_chunks() cuts it down to a pipeline rank's share.
@@ -289,26 +297,32 @@ class GPT(nn.Module):
         """The output projection: the (tied) embedding or lm_head weight, padded rows included."""
         return self.embedding_weight() if self.lm_head is None else self.lm_head.weight
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def dropout_key(self, rng_key: tuple[int, int] | None) -> Key:
+        """(step, micro-batch index in the global batch) -> (seed, step, micro-batch); None means (0, 0)."""
+        step, microbatch = rng_key if rng_key is not None else (0, 0)
+        return (self.seed, int(step), int(microbatch))
+
+    def embed(self, tokens: torch.Tensor, key: Key) -> torch.Tensor:
         """tokens (b, s) -> the first block's input (b, s, h), or (b, s/tp, h) under sequence parallelism."""
         x = self.wte(tokens, self.embedding_weight())
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.drop(self.to_blocks(x))
+        return self.drop(self.to_blocks(x), (*key, EMBED_LAYER, "embed"))
 
-    def run_blocks(self, x: torch.Tensor, layers: range) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, layers: range, key: Key) -> torch.Tensor:
         rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
         for i in layers:
             block = self.blocks[i]
             if i in self.recomputed_blocks and torch.is_grad_enabled():
-                x = recompute(block, x, rope, tracker=self.tp_rng)
+                x = recompute(block, x, rope, key)  # the rerun gets the key, so it draws the same masks
             else:
-                x = block(x, rope)
+                x = block(x, rope, key)
         return x
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, rng_key: tuple[int, int] | None = None) -> torch.Tensor:
         """tokens (b, s) -> final-normed hidden states (b, s, h) of a whole (one-chunk) model."""
-        return self.norm_f(self.run_blocks(self.embed(tokens), self.chunks[0].layers))
+        key = self.dropout_key(rng_key)
+        return self.norm_f(self.run_blocks(self.embed(tokens, key), self.chunks[0].layers, key))
 
     def set_kernels(self, backend: str) -> None:
         """kernels.backend after resolution: `torch` (references) or `triton` (fused kernels) in every module
@@ -327,16 +341,19 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attn.recompute_core = mode == "selective"
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0,
+                rng_key: tuple[int, int] | None = None) -> torch.Tensor:
         """Run chunk `chunk` (the whole model unless cut by keep_chunks). inputs: tokens (b, s) on the first
-        virtual stage, else the previous stage's hidden states. Returns the mean next-token cross entropy (fp32)
-        when the chunk holds the head and labels are given, logits (b, s, vocab) without labels, else hidden
-        states for the next stage."""
+        virtual stage, else the previous stage's hidden states. rng_key: (step, micro-batch index in the global
+        batch), which with the seed, layer and site keys every dropout mask (None: (0, 0)). Returns the mean
+        next-token cross entropy (fp32) when the chunk holds the head and labels are given, logits
+        (b, s, vocab) without labels, else hidden states for the next stage."""
         if chunk == self.TIED_WEIGHT:
             return self.wte.weight * 1.0  # a graph output, so DeepSpeed's backward hooks see the injected gradient
         spec = self.chunks[chunk]
-        x = self.embed(inputs) if spec.has_embedding else inputs
-        x = self.run_blocks(x, spec.layers)
+        key = self.dropout_key(rng_key)
+        x = self.embed(inputs, key) if spec.has_embedding else inputs
+        x = self.run_blocks(x, spec.layers, key)
         if not spec.has_head:
             return x
         return self.head(self.norm_f(x), self.head_weight(), labels)

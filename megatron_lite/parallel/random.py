@@ -1,76 +1,97 @@
-"""Dropout randomness under tensor parallelism: one shared stream, one per-TP-rank stream.
+"""Dropout masks keyed by what they mask, never by the order in which work runs.
 
-Activations that every TP rank holds identically (the residual stream without SP) must drop the same
-elements on every rank, so that dropout there uses the default generator, seeded identically everywhere.
-Activations that are split over TP ranks (attention heads, sequence shards under SP) are different data
-on each rank and need different masks, so dropout there runs inside `tracker.fork()`, which swaps in a
-generator seeded by (seed, tp_rank) and swaps the default one back afterwards (Megatron's
-"model-parallel RNG", Shoeybi et al. 2019 §B.2).
+Every mask is a pure function of a key
 
-The tracker's state is saved with checkpoints beside the default generators', and activation
-recomputation replays both: `recompute` below restores the default stream (torch's checkpoint does that)
-and the tracker's stream to where they stood when the forward first ran, so the recomputed masks are the
-masks of the forward.
+    (seed, step, micro-batch index in the global batch, layer, site, tp_rank or None)
+
+hashed (blake2b, stable across processes and Python versions, unlike `hash()`) into a 63-bit seed for a fresh
+generator. Sites: "embed" (layer -1), "attn_probs", "attn_out" and "mlp_out". The micro-batch index is the
+sampler's position in the global batch (micro-batch j of DP rank r is j·dp + r, data/sampler.py), so a mask
+belongs to the samples it masks. Hence a pipeline that runs micro-batches and chunks in any order (any pp, vpp,
+schedule) draws the masks of the single process, and nothing but the step needs saving for an exact resume.
+
+Tensor parallelism: activations every TP rank holds identically (the residual stream without SP) leave the
+tp rank out of the key, so all ranks drop the same elements; split activations (attention heads whenever tp > 1,
+sequence shards under SP) put it in, so each rank masks its own part differently. This replaces Megatron's
+per-rank "model-parallel RNG" stream (Shoeybi et al. 2019 §B.2), which depends on how many draws came before.
+
+Residual and embedding dropout draw an explicit mask (`KeyedDropout`); attention-probability dropout stays
+inside SDPA (so flash attention on a GPU keeps its fused dropout) and is keyed by reseeding the default
+generator for the call and restoring it afterwards (`keyed_default_rng`).
+
+Recomputation passes the same key to the rerun, so it redraws the forward's masks with no RNG replay.
+Left out on purpose: masks that survive a change of micro_batch_size (the mask's shape is the micro-batch's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from typing import Callable
 
 import torch
+import torch.nn as nn
 import torch.utils.checkpoint
 
-TP_SEED_OFFSET = 2718  # keeps the TP stream apart from the default stream of the same seed
+SITES = ("embed", "attn_probs", "attn_out", "mlp_out")
+EMBED_LAYER = -1  # the layer index in the embedding dropout's key
+
+# (seed, step, micro-batch) or, with layer and site appended, one mask's key without the tp rank
+Key = tuple
 
 
-class TPRNGTracker:
-    """A generator state for TP-split regions, swapped in and out of the device's default generator."""
-
-    def __init__(self, seed: int, tp_rank: int, device: torch.device):
-        self.device = device
-        generator = torch.Generator(device=device)  # same state format as the device's default generator
-        generator.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
-        self.state = generator.get_state()
-
-    def _get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def fork(self):
-        """Run the block on the per-TP-rank stream, then restore the default stream where it was."""
-        outside = self._get()
-        self._set(self.state)
-        try:
-            yield
-        finally:
-            self.state = self._get()
-            self._set(outside)
+def mask_seed(key: Key, tp_rank: int | None = None) -> int:
+    """The 63-bit generator seed of the mask keyed by `key` (+ tp_rank for split activations)."""
+    parts = [*key, tp_rank]
+    assert all(p is None or isinstance(p, (int, str)) for p in parts), parts  # what json spells one way only
+    digest = hashlib.blake2b(json.dumps(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
-def recompute(function: Callable, *args, tracker: TPRNGTracker | None = None):
-    """function(*args) without keeping its activations: backward runs it again first (torch's non-reentrant
-    checkpoint). Both RNG streams replay, so dropout inside draws the same masks in both runs."""
-    def contexts():
-        if tracker is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        return contextlib.nullcontext(), _replayed(tracker, tracker.state)  # the state as the forward begins
+def keep_mask(key: Key, tp_rank: int | None, shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
+    """Bool mask of `shape`, True where an element survives dropout with probability p."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(mask_seed(key, tp_rank))
+    return torch.rand(shape, generator=generator, device=device) >= p
 
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                                             context_fn=contexts)
+
+class KeyedDropout(nn.Module):
+    """Dropout whose mask is a function of its key. `tp_rank` is set (by parallelize) when this module drops
+    elements of a TP-split activation (sequence shards under SP), None when every TP rank holds the same one."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.tp_rank: int | None = None
+
+    def forward(self, x: torch.Tensor, key: Key) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = keep_mask(key, self.tp_rank, x.shape, self.p, x.device)
+        return x * keep / (1.0 - self.p)  # autograd keeps only the bool mask for backward
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, tp_rank={self.tp_rank}"
 
 
 @contextlib.contextmanager
-def _replayed(tracker: TPRNGTracker, state: torch.Tensor):
-    """Run the recomputation from the tracker state the forward started at, then put the live state back."""
-    live, tracker.state = tracker.state, state
-    try:
+def keyed_default_rng(key: Key, tp_rank: int | None, device: torch.device):
+    """Seed the default generator of `device` (and the CPU's) from the key for the block, then put back the
+    states they had: for random ops that only take the default generator (SDPA's dropout)."""
+    seed = mask_seed(key, tp_rank)
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)  # this device's generator only
         yield
-    finally:
-        tracker.state = live
+
+
+def recompute(function: Callable, *args):
+    """function(*args) without keeping its activations: backward runs it again first (torch's non-reentrant
+    checkpoint). Every mask inside is keyed by an argument (the key travels in args), so the rerun draws the
+    forward's masks by construction; no mask depends on where the default generator stands, so there is no RNG
+    state to save and restore (preserve_rng_state=False spares a state copy per call)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False)

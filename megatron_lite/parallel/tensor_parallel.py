@@ -10,7 +10,8 @@ makes meta shards, which materialisation then fills:
   head       vocab-parallel cross entropy (no full-vocabulary logits on any rank)
   with SP:   to_blocks scatters the sequence; norms run on sequence shards with TP-summed gain gradients
   dropout:   attention dropout (heads split over TP) and, with SP, residual/embedding dropout (sequence
-             split over TP) draw from the per-TP-rank stream; replicated activations keep the shared one
+             split over TP) get this rank's tp_rank into their mask keys; replicated activations leave it
+             out, so every TP rank draws their masks alike (parallel/random.py)
 
 KV heads are split, never replicated: parallel.tp must divide model.n_kv_heads (validated in config).
 """
@@ -32,7 +33,6 @@ from megatron_lite.parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from megatron_lite.parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp, scatter_to_sp
-from megatron_lite.parallel.random import TPRNGTracker
 
 
 class ScatterToSP(nn.Module):
@@ -42,18 +42,6 @@ class ScatterToSP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scatter_to_sp(x, self.tp_group)  # (b, s, h) -> (b, s/tp, h)
-
-
-class ForkedDropout(nn.Dropout):
-    """Dropout on TP-split activations: masks come from the per-TP-rank stream."""
-
-    def __init__(self, p: float, rng: TPRNGTracker):
-        super().__init__(p)
-        self.rng = rng
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.rng.fork():
-            return super().forward(x)
 
 
 class SequenceParallelLayerNorm(LayerNorm):
@@ -113,13 +101,12 @@ class VocabParallelHead(nn.Module):
         return losses.mean()
 
 
-def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, rng: TPRNGTracker | None = None) -> GPT:
-    """Shard `model` in place over tp_group (a no-op for one rank) and return it. `rng` is the per-TP-rank
-    dropout stream; it may be None only for a model without dropout."""
+def parallelize(model: GPT, tp_group, sequence_parallel: bool = False) -> GPT:
+    """Shard `model` in place over tp_group (a no-op for one rank) and return it."""
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     if tp == 1:
         return model
-    assert rng is not None or model.cfg.dropout == 0.0, "dropout under tensor parallelism needs a TPRNGTracker"
+    tp_rank = dist.get_rank(tp_group)
     cfg = model.cfg
     plan = {  # submodule name -> (layer, fused segments of its output rows)
         "attn.qkv": (ColumnParallelLinear, fused_segments(cfg)["attn.qkv"]),
@@ -133,24 +120,21 @@ def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, rng: TPRN
             full = getattr(parent, attr)
             kwargs = {"segments": segments} if segments else {}
             setattr(parent, attr, layer.from_full(full, tp_group, sequence_parallel=sequence_parallel, **kwargs))
-        block.attn.tp_rng = rng
+        block.attn.tp_rank = tp_rank  # heads are split: each rank masks its own attention probabilities
         if sequence_parallel:
             block.norm1 = _sequence_parallel_norm(block.norm1, tp_group)
             block.norm2 = _sequence_parallel_norm(block.norm2, tp_group)
-            if rng is not None:
-                block.drop = ForkedDropout(model.cfg.dropout, rng)
+            block.drop.tp_rank = tp_rank  # residual branches on sequence shards
     # A pipeline rank may hold neither the embedding nor the final norm (GPT.keep_chunks set them to None).
     if sequence_parallel:
         if model.norm_f is not None:
             model.norm_f = _sequence_parallel_norm(model.norm_f, tp_group)
         model.to_blocks = ScatterToSP(tp_group)
-        if rng is not None:
-            model.drop = ForkedDropout(model.cfg.dropout, rng)
+        model.drop.tp_rank = tp_rank  # the embedding output is scattered before its dropout
     if model.wte is not None:
         model.wte = VocabParallelEmbedding.from_full(model.wte, tp_group)
     if model.lm_head is not None:
         model.lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_group)
-    vocab_start = dist.get_rank(tp_group) * (model.padded_vocab // tp)
+    vocab_start = tp_rank * (model.padded_vocab // tp)
     model.head = VocabParallelHead(cfg.vocab_size, vocab_start, tp_group, sequence_parallel)
-    model.tp_rng = rng
     return model

@@ -12,6 +12,10 @@ Messages carry no shape handshake: every activation and gradient is (micro_batch
 s/tp, h) under sequence parallelism, so receivers allocate their buffers up front. pp = 1 runs through here
 too: its schedule is F0 B0 F1 B1 ... with no Comm steps.
 
+Each forward gets its micro-batch's dropout key, `rng_key` = (step, index in the global batch), from the
+caller: masks depend on which micro-batch runs, never on when (parallel/random.py), so every schedule trains
+like the single process with dropout on.
+
 Gradients are scaled once, at the loss (1/m over the m micro-batches of this rank's step); the DeepSpeed engine
 is configured with one accumulation step and unmanaged accumulation, so it neither rescales each chunk's output
 gradient nor steps early: the optimizer step comes after the whole schedule (engine.py).
@@ -77,12 +81,16 @@ class PipelineExecutor:
         return self._schedules[(train, m)]
 
     def run(self, forward: Callable, micro_batches: list[torch.Tensor], train: bool = True,
-            before_backward: Callable[[], None] | None = None) -> StepStats:
-        """Run the schedule over micro_batches (each (b, s+1) tokens; m of them, the same m on every rank). forward(inputs, labels, chunk=k) is the
-        engine's forward; before_backward() runs before each backward (see engine.py). Returns this rank's mean loss (last stage) and timings; gradients are left
-        accumulated for the optimizer step."""
+            before_backward: Callable[[], None] | None = None,
+            rng_keys: list[tuple[int, int]] | None = None) -> StepStats:
+        """Run the schedule over micro_batches (each (b, s+1) tokens; m of them, the same m on every rank).
+        forward(inputs, labels, chunk=k, rng_key=rng_keys[mb]) is the engine's forward (rng_key None without
+        rng_keys: no dropout expected, e.g. in eval); before_backward() runs before each backward (see
+        engine.py). Returns this rank's mean loss (last stage) and timings; gradients are left accumulated for
+        the optimizer step."""
         stats = StepStats(loss=None)
         n_micro = len(micro_batches)
+        assert rng_keys is None or len(rng_keys) == n_micro, (len(rng_keys), n_micro)
         inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> the chunk's input (needs its grad)
         outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> output, or scaled loss on the last stage
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}   # (kind, mb, chunk) -> received tensor
@@ -99,7 +107,7 @@ class PipelineExecutor:
                 spec = self.chunks[k]
                 if step.kind == "F":
                     out = self._forward(forward, spec, micro_batches[mb], inbox.pop(("act", mb, k), None), train,
-                                        inputs, mb)
+                                        inputs, mb, rng_keys[mb] if rng_keys is not None else None)
                     if spec.has_head:
                         losses.append(out.detach().float())
                         if train:
@@ -127,7 +135,7 @@ class PipelineExecutor:
             stats.loss = torch.stack(losses).mean()
         return stats
 
-    def _forward(self, forward, spec: ChunkSpec, batch: torch.Tensor, received, train: bool, inputs, mb):
+    def _forward(self, forward, spec: ChunkSpec, batch: torch.Tensor, received, train: bool, inputs, mb, rng_key):
         batch = batch.to(self.device, non_blocking=True)
         labels = batch[:, 1:] if spec.has_head else None
         if spec.has_embedding:
@@ -137,7 +145,7 @@ class PipelineExecutor:
             if train:
                 x.requires_grad_()
                 inputs[(mb, spec.chunk)] = x
-        return forward(x, labels, chunk=spec.chunk)
+        return forward(x, labels, chunk=spec.chunk, rng_key=rng_key)
 
     def _exchange(self, comm: Comm, inbox: dict, outbox: dict) -> float:
         """Post every op of one Comm step together and wait for all; return the seconds spent waiting."""

@@ -22,7 +22,6 @@ from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.model.layout import segments_of
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext, init_distributed
-from megatron_lite.parallel.random import TPRNGTracker
 from megatron_lite.parallel.tensor_parallel import parallelize
 from megatron_lite.pipeline.partition import rank_chunks
 
@@ -77,10 +76,9 @@ def check_tp_case(ctx: ParallelContext, model_cfg: ModelConfig, sp: bool, pp: in
                   tag: str) -> None:
     cfg = Config(model=model_cfg, parallel=ParallelConfig(tp=2, pp=pp, vpp=vpp, sp=sp), seed=77)
     rank_ctx = dataclasses.replace(ctx, pp_rank=pp_rank, pp_size=pp)
-    built = build_model(cfg, rank_ctx, TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device))
+    built = build_model(cfg, rank_ctx)
     chunks = rank_chunks(pp_rank, pp, vpp, model_cfg.n_layers)
-    old = parallelize(GPT(model_cfg, tp=2, seed=cfg.seed).keep_chunks(chunks), ctx.tp_group, sp,
-                      TPRNGTracker(cfg.seed, ctx.tp_rank, ctx.device))
+    old = parallelize(GPT(model_cfg, tp=2, seed=cfg.seed).keep_chunks(chunks), ctx.tp_group, sp)
     if [(n, type(m)) for n, m in built.named_modules()] != [(n, type(m)) for n, m in old.named_modules()]:
         fail(f"{tag}: modules differ from the old route")
     old_params = dict(old.named_parameters())
@@ -107,7 +105,7 @@ def check_zero3_partitions() -> None:
         cfg = Config(model=ModelConfig(**kw), zero=ZeroConfig(stage=3), seed=78)
         # Built first, so that nothing (no engine) has set DeepSpeed up before it.
         partition, dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size), ctx)
-        built = build_model(cfg, ctx, None, dtype=dtype, partition=partition)
+        built = build_model(cfg, ctx, dtype=dtype, partition=partition)
         got = dict(built.named_parameters())
         engine = Engine(cfg, GPT(cfg.model, seed=cfg.seed), ctx)  # the route before: DeepSpeed splits the whole model
         want = dict(engine.module.module.named_parameters())

@@ -135,3 +135,26 @@ def test_triton_kernels_inside_pipeline_chunks(tmp_path):
     ], tmp_path)
     assert max_abs_diff(triton_run["losses"], torch_run["losses"]) <= TOL
     assert max_relative_diff(triton_run["grad_norms"], torch_run["grad_norms"]) <= TOL
+
+
+@pytest.mark.slow
+def test_pipeline_with_dropout_matches_single_process(tmp_path):
+    """Dropout 0.1: every mask is keyed by (seed, step, micro-batch in the global batch, layer, site), never by
+    the order of execution (parallel/random.py), so pp=2 with full recomputation and ZeRO-2, and interleaved
+    pp=2 x vpp=2, follow the single process with dropout. dp=2 (no pipeline) too: micro-batch j of DP rank r is
+    j*dp + r of the global batch, as the sampler orders them. Validation runs in eval mode (no dropout)."""
+    dropout = ["model.dropout=0.1", *EVAL]
+    single, no_dropout = run_configs(1, [overrides(tmp_path, "single_dropout", *dropout),
+                                         overrides(tmp_path, "single_no_dropout", *EVAL)], tmp_path)
+    # Dropout must move the trajectory, or matching it below would prove nothing about the masks.
+    assert max_abs_diff(single["losses"], no_dropout["losses"]) > 1e-3
+    runs = [overrides(tmp_path, "pp2_full_z2_dropout", "parallel.pp=2", "zero.stage=2", "train.recompute=full",
+                      *dropout),
+            overrides(tmp_path, "pp2_vpp2_dropout", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                      "zero.stage=1", *dropout),
+            overrides(tmp_path, "dp2_dropout", "zero.stage=1", "model.dropout=0.1")]
+    *pipelines, dp2 = run_configs(2, runs, tmp_path)
+    for result in pipelines:
+        assert_follows(result, single)
+    assert max_abs_diff(dp2["losses"], single["losses"]) <= TOL
+    assert max_relative_diff(dp2["grad_norms"], single["grad_norms"]) <= TOL

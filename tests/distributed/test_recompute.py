@@ -1,7 +1,7 @@
 """Activation recomputation in real training: tp=2 x dp=2 with sequence parallelism and ZeRO-3, dropout 0.1.
 
 `none`, `selective` and `full` (every layer, and every 2nd) must give bit-identical per-step losses and
-gradient norms: the recomputed forward replays the shared and the per-TP-rank dropout streams, and DeepSpeed
+gradient norms: the recomputed forward gets the forward's dropout keys, so it redraws its masks, and DeepSpeed
 re-gathers ZeRO-3 parameters for the recomputation. Model- and layer-level exactness (every gradient) is in
 tests/unit/test_recompute.py and tests/distributed/dropout_worker.py.
 """

@@ -1,6 +1,7 @@
 """Activation recomputation (train.recompute) is exact: with dropout 0.1, `selective` and `full` (every
 block or every k-th) give bit-identical loss and gradients to `none`, for both model flavours, and keep
-fewer activations. The tensor-parallel stream's replay is tested in tests/distributed/dropout_worker.py."""
+fewer activations: the rerun gets the forward's dropout keys. Under tensor parallelism: dropout_worker.py
+in tests/distributed."""
 
 import copy
 
@@ -20,8 +21,8 @@ MODES = [("selective", 1), ("full", 1), ("full", 2)]
 
 
 def loss_and_grads(model: GPT, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    torch.manual_seed(7)  # the same default stream for every mode's dropout
-    loss = model(tokens[:, :-1], tokens[:, 1:])
+    torch.manual_seed(7)  # masks are keyed, not drawn from this stream; a different seed per mode would pass too
+    loss = model(tokens[:, :-1], tokens[:, 1:], rng_key=(2, 5))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -61,15 +62,14 @@ def test_recompute_is_bit_identical_with_dropout(flavour):
 
 
 def test_different_dropout_masks_change_the_loss():
-    """The exactness above means something only if dropout actually draws: another seed, another loss."""
+    """The exactness above means something only if dropout actually draws: another key, another loss."""
     cfg = ModelConfig(**FLAVOURS["gpt2"])
     torch.manual_seed(0)
     model = GPT(cfg).train()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     losses = []
-    for seed in (7, 8):
-        torch.manual_seed(seed)
-        losses.append(model(tokens[:, :-1], tokens[:, 1:]).item())
+    for step in (7, 8):
+        losses.append(model(tokens[:, :-1], tokens[:, 1:], rng_key=(step, 0)).item())
     assert losses[0] != losses[1]
 
 
