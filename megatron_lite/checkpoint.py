@@ -156,7 +156,7 @@ def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int, pip
 def saved_pipeline(layout: dict) -> tuple:
     """(pp, vpp, layers per virtual stage) a checkpoint was written with (older ones: no pipeline)."""
     pp, vpp = layout.get("pp", 1), layout.get("vpp", 1)
-    return pp, vpp, tuple(layout.get("layers_per_stage") or ())
+    return pp, vpp, tuple(layout.get("layers_per_stage") or ()) if pp * vpp > 1 else ()  # as current_pipeline
 
 
 def current_pipeline(cfg) -> tuple:
