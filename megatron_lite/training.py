@@ -87,9 +87,9 @@ def run(cfg: Config) -> dict:
 
     weights = checkpoint.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
     p = cfg.parallel
-    pp_layers = list(p.pp_layers) if p.pp_layers is not None else None
-    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage,
-                                                                checkpoint.current_pipeline(cfg))
+    pipe = checkpoint.current_pipeline(cfg)  # (pp, vpp, layers per virtual stage), compared with a checkpoint's
+    layers = layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, p.pp_layers)
+    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage, pipe)
     partition, build_dtype = None, torch.float32
     if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
         if cfg.zero.offload_param == "nvme":
@@ -105,7 +105,7 @@ def run(cfg: Config) -> dict:
     start_step, consumed, wandb_id = 0, 0, None
     if meta is not None:
         if meta["kind"] == "deepspeed":
-            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage, checkpoint.current_pipeline(cfg))
+            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage, pipe)
         start_step, consumed, wandb_id = meta["step"], meta["consumed_samples"], meta.get("wandb_id")
 
     data = TokenData(repo_path(cfg.data.path))
@@ -131,7 +131,7 @@ def run(cfg: Config) -> dict:
         logger.print(f"nothing to do: {cfg.checkpoint.dir} already holds step {start_step} of train.steps="
                      f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
     pipeline = (f", vpp {p.vpp}, {engine.executor.schedule_name} schedule, layers per virtual stage "
-                f"{layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, pp_layers)}" if ctx.pp_size > 1 else "")
+                f"{layers}" if ctx.pp_size > 1 else "")
     logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}"
                  f"{pipeline}), "
                  f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
@@ -143,7 +143,7 @@ def run(cfg: Config) -> dict:
             "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
             "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
                        "vpp": p.vpp, "zero_stage": cfg.zero.stage,
-                       "layers_per_stage": layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, pp_layers)},
+                       "layers_per_stage": layers},
         }
         path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
         logger.print(f"saved {path}")

@@ -28,3 +28,18 @@ def max_relative_diff(a: list[float], b: list[float]) -> float:
     """max |a_i - b_i| / |b_i|, b being the reference."""
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def assert_same_hf_export(tmp_path, names: tuple[str, str], tol: float) -> None:
+    """Export the checkpoints of two runs (run.dir = tmp_path/<name>) to HF and compare every tensor (max abs)."""
+    from tools.convert_hf import export_hf
+    from transformers import AutoModelForCausalLM
+
+    models = []
+    for name in names:
+        export_hf(f"{tmp_path}/{name}/checkpoints", f"{tmp_path}/{name}_hf")
+        models.append(AutoModelForCausalLM.from_pretrained(f"{tmp_path}/{name}_hf").state_dict())
+    assert models[0].keys() == models[1].keys()
+    for key, value in models[0].items():
+        gap = (value - models[1][key]).abs().max().item()
+        assert gap <= tol, f"{key} differs by {gap:.2e}"

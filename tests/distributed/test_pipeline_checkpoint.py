@@ -9,7 +9,7 @@ change reorders cross-rank sums; measured 0.0 on losses, <= 7.1e-8 on norms).
 import pytest
 
 from megatron_lite.checkpoint import step_name
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import assert_same_hf_export, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import run_configs
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
@@ -44,19 +44,9 @@ def test_pipeline_resharding_pp2_vpp2_to_pp4(tmp_path):
 def test_hf_export_from_pp2_equals_export_from_pp1(tmp_path):
     """Two steps at pp=1 and at pp=2 (ZeRO-1) from the same seed, exported to HF: every tensor within 1e-4
     (as the TP export test: only the order of additions differs, which Adam can amplify up to lr in
-    near-zero gradients; measured: see below). A wrong stage merge would differ by the weights' scale."""
-    from tools.convert_hf import export_hf
-    from transformers import AutoModelForCausalLM
-
+    near-zero gradients). A wrong stage merge would differ by the weights' scale."""
     steps = ["train.steps=2", "zero.stage=1"]
     (pp1,) = run_configs(1, [overrides(tmp_path, "pp1", *steps)], tmp_path)
     (pp2,) = run_configs(2, [overrides(tmp_path, "pp2", *steps, "parallel.pp=2")], tmp_path)
     assert max_relative_diff(pp2["grad_norms"], pp1["grad_norms"]) <= TOL
-    models = []
-    for name in ("pp1", "pp2"):
-        export_hf(f"{tmp_path}/{name}/checkpoints", f"{tmp_path}/{name}_hf")
-        models.append(AutoModelForCausalLM.from_pretrained(f"{tmp_path}/{name}_hf").state_dict())
-    assert models[0].keys() == models[1].keys()
-    for key, value in models[0].items():
-        gap = (value - models[1][key]).abs().max().item()
-        assert gap <= TOL, f"{key} differs by {gap:.2e}"
+    assert_same_hf_export(tmp_path, ("pp1", "pp2"), TOL)

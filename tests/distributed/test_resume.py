@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from megatron_lite.checkpoint import latest_checkpoint, step_name
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import assert_same_hf_export, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
@@ -118,19 +118,9 @@ def test_hf_export_from_tp2_equals_export_from_tp1(tmp_path):
     can turn a 1e-7 difference in a near-zero gradient into up to lr (3e-3 here); measured max 1.1e-5. A
     wrong merge (a permuted or misplaced shard) would differ by the weights' scale, ~2e-2. The two runs' grad
     norms agree within 1e-4 (relative; measured 2.0e-7)."""
-    from tools.convert_hf import export_hf
-    from transformers import AutoModelForCausalLM
-
     steps = ["train.steps=2", "zero.stage=1"]
     (tp1,) = run_configs(1, [overrides(tmp_path, "tp1", *steps)], tmp_path)
     (tp2,) = run_configs(4, [overrides(tmp_path, "tp2", *steps, "parallel.tp=2")], tmp_path)
     norms = max_relative_diff(tp2["grad_norms"], tp1["grad_norms"])
     assert norms <= 1e-4, f"tp=2 x dp=2 grad norms differ from tp=1 by {norms:.2e} (relative)"
-    models = []
-    for name in ("tp1", "tp2"):
-        export_hf(f"{tmp_path}/{name}/checkpoints", f"{tmp_path}/{name}_hf")
-        models.append(AutoModelForCausalLM.from_pretrained(f"{tmp_path}/{name}_hf").state_dict())
-    assert models[0].keys() == models[1].keys()
-    for key, value in models[0].items():
-        gap = (value - models[1][key]).abs().max().item()
-        assert gap <= 1e-4, f"{key} differs by {gap:.2e}"
+    assert_same_hf_export(tmp_path, ("tp1", "tp2"), 1e-4)
