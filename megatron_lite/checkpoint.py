@@ -163,7 +163,7 @@ def current_pipeline(cfg) -> tuple:
     from megatron_lite.pipeline.partition import layers_per_stage
 
     p = cfg.parallel
-    layers = layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, list(p.pp_layers) if p.pp_layers is not None else None)
+    layers = layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
     return p.pp, p.vpp, tuple(layers) if p.pp * p.vpp > 1 else ()
 
 

@@ -351,7 +351,7 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
     if p.vpp > 1 and p.pp == 1:
         _fail("parallel.vpp", p.vpp, "needs parallel.pp > 1 (virtual stages interleave across pipeline ranks)",
               "set parallel.pp=2 or more, or parallel.vpp=1")
-    layers_per_stage(m.n_layers, p.pp, p.vpp, list(p.pp_layers) if p.pp_layers is not None else None)
+    layers_per_stage(m.n_layers, p.pp, p.vpp, p.pp_layers)
     if p.pp == 1:
         return
     if z.stage == 3:

@@ -36,8 +36,7 @@ def build_model(cfg: Config, ctx: ParallelContext, *,
     default keeps fp32 parameters on ctx.device for the engine to take over."""
     p = cfg.parallel
     model = GPT(cfg.model, tp=ctx.tp_size, seed=cfg.seed, device="meta")
-    pp_layers = list(p.pp_layers) if p.pp_layers is not None else None
-    model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, p.vpp, cfg.model.n_layers, pp_layers))
+    model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, p.vpp, cfg.model.n_layers, p.pp_layers))
     model = parallelize(model, ctx.tp_group, p.sp)
     return model.materialize(ctx.device, dtype=dtype, weights=weights, partition=partition)
 

@@ -20,8 +20,12 @@ Gradients are scaled once, at the loss (1/m over the m micro-batches of this ran
 is configured with one accumulation step and unmanaged accumulation, so it neither rescales each chunk's output
 gradient nor steps early: the optimizer step comes after the whole schedule (engine.py).
 
-Left out (for now): releasing an activation's storage right after its send (Megatron's deallocate trick needs
-a backward that skips autograd's shape check).
+A chunk's output is needed after its send only as the root of its backward graph: autograd keeps what the
+backward reads (saved tensors, the graph), not the output's values. So once the send has completed, the output's
+storage is swapped for one element (Megatron's deallocation) and its backward runs through autograd's engine
+directly, which checks the gradient against the shape recorded at forward time instead of the tensor's current
+shape. That frees one (b, s, h) activation per micro-batch in flight, up to pp·vpp of them on the first rank of
+1F1B. Outputs that are views or leaves keep their storage (their data may be someone else's).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.variable import Variable
 
 from megatron_lite.pipeline.partition import ChunkSpec
 from megatron_lite.pipeline.schedules import Comm, Compute, build_schedule
@@ -44,6 +49,7 @@ class StepStats:
     busy_s: float = 0.0        # seconds in forward/backward compute
     wall_s: float = 0.0        # seconds from the schedule's first step to its last on this rank
     timeline: list = field(default_factory=list)  # (start, end, kind, microbatch, chunk), when recorded
+    peak_kept_bytes: int = 0   # most bytes held at once by chunk outputs waiting for their backward
 
 
 def forward_only(schedule: list) -> list:
@@ -101,7 +107,7 @@ class PipelineExecutor:
             for step in self.schedule(train, n_micro):
                 t0 = time.perf_counter()
                 if isinstance(step, Comm):
-                    stats.wait_s += self._exchange(step, inbox, outbox)
+                    stats.wait_s += self._exchange(step, inbox, outbox, outputs)
                     continue
                 mb, k = step.microbatch, step.chunk
                 spec = self.chunks[k]
@@ -121,12 +127,14 @@ class PipelineExecutor:
                     grad = None if spec.has_head else inbox.pop(("grad", mb, k))
                     if before_backward is not None:
                         before_backward()
-                    torch.autograd.backward(out, grad)
+                    _backward(out, grad)
                     x = inputs.pop((mb, k), None)
                     if x is not None:
                         outbox[("grad", mb, k)] = x.grad
                 t1 = time.perf_counter()
                 stats.busy_s += t1 - t0
+                kept = sum(o.untyped_storage().nbytes() for o in outputs.values())
+                stats.peak_kept_bytes = max(stats.peak_kept_bytes, kept)
                 if self.record_timeline:
                     stats.timeline.append((t0, t1, step.kind, mb, k))
         stats.wall_s = time.perf_counter() - start
@@ -147,8 +155,9 @@ class PipelineExecutor:
                 inputs[(mb, spec.chunk)] = x
         return forward(x, labels, chunk=spec.chunk, rng_key=rng_key)
 
-    def _exchange(self, comm: Comm, inbox: dict, outbox: dict) -> float:
-        """Post every op of one Comm step together and wait for all; return the seconds spent waiting."""
+    def _exchange(self, comm: Comm, inbox: dict, outbox: dict, outputs: dict) -> float:
+        """Post every op of one Comm step together and wait for all; return the seconds spent waiting. A sent
+        activation's output then gives up its storage (module docstring)."""
         ops, arrivals = [], []
         for op in comm.ops:
             key = (op.kind, op.microbatch, op.chunk)
@@ -162,6 +171,22 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+        waited = time.perf_counter() - t0
         for key, tensor in arrivals:
             inbox[key] = tensor
-        return time.perf_counter() - t0
+        for op in comm.ops:
+            out = outputs.get((op.microbatch, op.chunk)) if op.op == "send" and op.kind == "act" else None
+            if out is not None and out.grad_fn is not None and out._base is None:
+                out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+        return waited
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """torch.autograd.backward(out, grad) without its check that grad has out's current shape: out may have
+    given up its storage after its send (module docstring); the engine checks grad against the forward's shape."""
+    if grad is None:
+        torch.autograd.backward(out)
+        return
+    Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)

@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_lite.model.gpt import GPT
+
 
 class TiedEmbedding:
     def __init__(self, weight: torch.nn.Parameter, embed_group, is_head_copy: bool):
@@ -41,6 +43,6 @@ class TiedEmbedding:
     def sync(self, forward: Callable) -> None:
         """Sum both copies' gradients and hand the sum to the parameter. forward: the engine's forward."""
         dist.all_reduce(self.grad, group=self.embed_group)
-        weight_out = forward(None, chunk=-1)  # GPT.TIED_WEIGHT
+        weight_out = forward(None, chunk=GPT.TIED_WEIGHT)
         torch.autograd.backward(weight_out, self.grad.to(weight_out.dtype))
         self.grad.zero_()

@@ -11,6 +11,9 @@ gradient sums the same terms in the same order (measured exactly 0). The excepti
 the serial model adds head and lookup gradients per micro-batch, the pipeline adds each stage's total once,
 which reorders fp32 additions (a few ulps, measured <= 1.1e-7). A lost micro-batch is O(1/m), a missing
 embedding-group sum O(1), a 1/m applied twice O(1).
+Each case also checks that sent activations gave up their storage (executor.py): chunk outputs held at once
+stay below two activations' bytes (one full output waits for its send at a time; keeping them would hold one
+per micro-batch in flight, >= 2 on the first rank of every schedule here).
 Exits non-zero naming the first mismatch; rank 0 prints one line per case.
 """
 
@@ -62,7 +65,7 @@ def pipeline_step(cfg: ModelConfig, ctx: ParallelContext, vpp: int, schedule: st
     stats = executor.run(model, batches)
     if model.tied is not None:
         model.tied.sync(model)
-    return stats.loss, dict(model.named_parameters())
+    return stats, dict(model.named_parameters())
 
 
 def main() -> None:
@@ -78,7 +81,11 @@ def main() -> None:
         gen = torch.Generator().manual_seed(m)
         batches = [torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=gen) for _ in range(m)]
         want_loss, want_grads = serial_step(cfg, batches)
-        loss, params = pipeline_step(cfg, ctx, vpp, schedule, batches)
+        stats, params = pipeline_step(cfg, ctx, vpp, schedule, batches)
+        loss, activation_bytes = stats.loss, MICRO_BATCH * cfg.seq_len * cfg.d_model * 4
+        if stats.peak_kept_bytes >= 2 * activation_bytes:
+            raise AssertionError(f"{flavour} pp={pp} vpp={vpp} {schedule} m={m}: chunk outputs held "
+                                 f"{stats.peak_kept_bytes} bytes at once; sent activations kept their storage")
         worst = torch.zeros(2, dtype=torch.float64)  # (gradient, loss)
         for name, p in params.items():
             err = relative_error(p.grad, want_grads[name])
