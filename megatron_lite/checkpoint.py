@@ -281,11 +281,18 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     return model_cfg, {k: v.float() for k, v in state.items()}
 
 
+def holds_bf16(precision: str, zero_stage: int) -> bool:
+    """Whether DeepSpeed holds bf16 parameters (and so writes bf16-format states): bf16 on ZeRO 1-3; ZeRO-0
+    trains bf16 on fp32 parameters under autocast (engine.py), so its checkpoints are fp32 ones."""
+    return precision == "bf16" and zero_stage > 0
+
+
 def check_resume(cfg, world_size: int) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError)."""
     from dataclasses import asdict
 
     from megatron_lite.config import ConfigError
+    from megatron_lite.deepspeed_config import resolve_precision
 
     path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if path is None:
@@ -309,6 +316,12 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
                               f"with zero.stage={saved_stage}; TP resharding works between ZeRO stages 1 and 2: "
                               f"use parallel.tp={saved_tp}, or save and resume with zero.stage=1 or 2")
+        saved_precision = meta["layout"].get("precision")  # resolved (auto -> bf16/fp32); absent before bf16 fixes
+        precision = resolve_precision(cfg)
+        if saved_precision is not None and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage):
+            raise ConfigError(f"train.precision={cfg.train.precision} ({precision} at zero.stage={cfg.zero.stage}) cannot "
+                              f"resume {path}, written in {saved_precision} at zero.stage={saved_stage}: DeepSpeed keeps "
+                              f"bf16 and fp32 ZeRO states in different formats; use train.precision={saved_precision}")
         if saved_stage != cfg.zero.stage and 0 in (saved_stage, cfg.zero.stage):
             raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "
                               f"use zero.stage={saved_stage} (ZeRO 1, 2 and 3 convert into each other, 0 does not)")

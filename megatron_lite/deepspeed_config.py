@@ -55,10 +55,10 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        # Plain ZeRO-0 fp32: we clip (Engine._clip_plain). DeepSpeed's clip_grad_norm_ counts replicated
-        # parameters on model-parallel rank 0 only, which under a pipeline drops every later stage's norms
-        # and biases, and it counts a pipeline's tied embedding twice.
-        "gradient_clipping": 0.0 if z.stage == 0 and precision == "fp32" else t.grad_clip,
+        # ZeRO-0: we clip (Engine._clip_plain). DeepSpeed's clip_grad_norm_ counts replicated parameters on
+        # model-parallel rank 0 only, which under a pipeline drops every later stage's norms and biases, and it
+        # counts a pipeline's tied embedding twice.
+        "gradient_clipping": 0.0 if z.stage == 0 else t.grad_clip,
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
@@ -68,7 +68,11 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
                 "torch_adam": not offload_opt,
             },
         },
-        "bf16": {"enabled": precision == "bf16"},
+        # bf16 (engine.py, "Mixed precision"): ZeRO 1-3 keep bf16 parameters with fp32 master weights and
+        # accumulate gradients in fp32; DeepSpeed has no such ZeRO-0 path, so ZeRO-0 runs fp32 under autocast.
+        "bf16": {"enabled": precision == "bf16" and z.stage > 0},
+        **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+           if precision == "bf16" and z.stage > 0 else {}),
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,

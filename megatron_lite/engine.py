@@ -18,7 +18,7 @@ import os
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.deepspeed_config import deepspeed_config, param_groups
+from megatron_lite.deepspeed_config import deepspeed_config, param_groups, resolve_precision
 from megatron_lite.deepspeed_repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
                                              restore_group_hyperparameters, zero_offload_accumulators)
 from megatron_lite.model.layout import universal_split_patterns
@@ -50,15 +50,20 @@ class Engine:
             mpu=ctx.mpu(),
             dist_init_required=False,
         )
+        # Activations (and pipeline messages): bf16 where DeepSpeed holds bf16 parameters; under ZeRO-0's
+        # autocast the residual stream stays fp32 (embeddings and norms are fp32 ops there).
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         self._group_hparams = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
-        self._plain_optimizer = cfg.zero.stage == 0 and self.dtype == torch.float32
         # ZeRO optimizers take `output.backward(grad)` through the engine's forward (its hooks open and close
         # each backward). DeepSpeed's plain ZeRO-0 optimizer does not, so there the chunks run the module
-        # directly, gradients accumulate in .grad, and we average them over DP before the step ourselves.
-        self.forward = self.module if self.module._support_torch_style_backward else self.module.module
-        if self.forward is self.module.module:
+        # directly, gradients accumulate in .grad, and we average, measure and clip them before the step.
+        self._zero_backward = self.module._support_torch_style_backward
+        assert self._zero_backward == (cfg.zero.stage > 0), (cfg.zero.stage, type(self.optimizer))
+        forward = self.module if self._zero_backward else self.module.module
+        if not self._zero_backward:
             self.module.enable_backward_allreduce = False
+        autocast = cfg.zero.stage == 0 and resolve_precision(cfg) == "bf16"
+        self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
         self.tied = model.tied
         s_local = cfg.model.seq_len // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else cfg.model.seq_len
         self.executor = PipelineExecutor(model.chunks, resolve_schedule(cfg.parallel.schedule, cfg.parallel.vpp),
@@ -90,19 +95,18 @@ class Engine:
         if self.tied is not None:
             self._new_backward()
             self.tied.sync(self.forward)
-        grad_norm = None
-        if self.forward is self.module.module:
-            self.module.buffered_allreduce_fallback()  # DP average of .grad, as DeepSpeed's boundary would do
-            if self._plain_optimizer:
-                grad_norm = self._reduced_grad_norm()
-                self._clip_plain(grad_norm)
-        self.module.step()
-        if grad_norm is None:
+        if self._zero_backward:
+            self.module.step()
             grad_norm = self.module.get_global_grad_norm()
+        else:
+            self.module.buffered_allreduce_fallback()  # DP average of .grad, as DeepSpeed's boundary would do
+            grad_norm = self._reduced_grad_norm()
+            self._clip_plain(grad_norm)
+            self.module.step()
         return self._pipeline_loss(stats.loss), float(grad_norm)
 
     def _new_backward(self) -> None:
-        if self.forward is self.module:  # a ZeRO optimizer behind the engine's forward
+        if self._zero_backward:  # a ZeRO optimizer behind the engine's forward
             reset_backward_hook_count(self.optimizer)
 
     def _pipeline_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
@@ -123,7 +127,7 @@ class Engine:
                     p.grad.mul_(coef)
 
     def _reduced_grad_norm(self) -> float:
-        """DeepSpeed records the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 fp32 we compute the
+        """DeepSpeed records the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 we compute the
         same quantity ourselves, after the DP average and before DeepSpeed's clipping. Squares are summed
         in float64 (as ZeRO does): a float32 norm of a 1M-element gradient on CPU is off by ~1e-5 relative.
         TP-replicated parameters (norm gains, row-parallel biases) count on TP rank 0 only, the last stage's
@@ -168,3 +172,11 @@ class Engine:
 
     def close(self) -> None:
         self.module.destroy()
+
+
+def _bf16_autocast(forward, device_type: str):
+    """forward under torch.autocast(bf16): matmuls in bf16 on fp32 parameters, so backward leaves fp32 .grad."""
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return forward(*args, **kwargs)
+    return run

@@ -142,7 +142,7 @@ def run(cfg: Config) -> dict:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
             "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
-                       "vpp": p.vpp, "zero_stage": cfg.zero.stage,
+                       "vpp": p.vpp, "zero_stage": cfg.zero.stage, "precision": resolve_precision(cfg),
                        "layers_per_stage": layers},
         }
         path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)

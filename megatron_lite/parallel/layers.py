@@ -71,7 +71,11 @@ class _SequenceGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
-        x = _all_gather(x_shard, SEQ_DIM, ctx.group)  # (b, s, in), gathered again
+        # Under bf16 autocast the forward multiplied in bf16 (grad_out's dtype) while x and weight stayed fp32;
+        # backward multiplies in the same dtype, as autocast's own linear would (autograd casts the results
+        # back to the inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
+        x = _all_gather(x_shard.to(grad_out.dtype), SEQ_DIM, ctx.group)  # (b, s, in), gathered again
+        weight = weight.to(grad_out.dtype)
         grad_x = grad_out @ weight
         grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
         grad_b = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None

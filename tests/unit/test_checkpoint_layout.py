@@ -1,6 +1,13 @@
-"""Which resumes go through DeepSpeed's universal format: a layout change does, the same layout never does."""
+"""Which resumes go through DeepSpeed's universal format (a layout change does, the same layout never does),
+and which precision changes a resume refuses."""
+
+import json
+
+import pytest
 
 from megatron_lite.checkpoint import needs_universal, saved_pipeline
+from megatron_lite.cli import load
+from megatron_lite.config import ConfigError
 
 
 def meta(**layout):
@@ -20,3 +27,22 @@ def test_layout_changes_convert():
     assert needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (1, 1, ()))  # pp
     assert needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (2, 1, (1, 3)))  # layer split
     assert not needs_universal(meta(zero_stage=0, pp=2, layers_per_stage=[2, 2]), 2, 1, 0, (1, 1, ()))  # ZeRO-0: never
+
+
+def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_path):
+    """bf16 on ZeRO 1-3 writes DeepSpeed's bf16 states; fp32, and bf16 on ZeRO-0 (autocast), write fp32 ones."""
+    def resume(saved_precision: str, saved_stage: int, *overrides: str):
+        ckpt = tmp_path / f"{saved_precision}_{saved_stage}"
+        ckpt.mkdir(exist_ok=True)
+        cfg = load(["train.precision=fp32"], world_size=1)
+        layout = {**meta(zero_stage=saved_stage, dp=1, world_size=1)["layout"], "precision": saved_precision}
+        (ckpt / "meta.json").write_text(json.dumps({"kind": "deepspeed", "config": {"model": vars(cfg.model)},
+                                                    "layout": layout}))
+        return load([f"checkpoint.resume={ckpt}", *overrides], world_size=1)
+
+    resume("bf16", 1, "train.precision=bf16", "zero.stage=2")  # same format
+    resume("bf16", 0, "train.precision=fp32", "zero.stage=0")  # ZeRO-0 bf16 keeps fp32 parameters
+    with pytest.raises(ConfigError, match=r"train.precision=fp32 .* use train.precision=bf16"):
+        resume("bf16", 1, "train.precision=fp32", "zero.stage=1")
+    with pytest.raises(ConfigError, match=r"train.precision=bf16 .* use train.precision=fp32"):
+        resume("fp32", 2, "train.precision=bf16", "zero.stage=2")
