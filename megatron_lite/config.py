@@ -120,6 +120,8 @@ class TrainConfig:
     """Activation recomputation: none, selective (the attention core of every layer) or full (whole layers)."""
     recompute_every: int = 1
     """With recompute=full: recompute layers 0, k, 2k, ... (1 = every layer; larger trades memory for speed)."""
+    compile: bool = False
+    """torch.compile each transformer block (GPU fusion next to our kernels); not with zero.stage=3."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     eval_interval: int = 100
@@ -194,7 +196,7 @@ class LoggingConfig:
 @dataclass
 class KernelsConfig:
     backend: str = "auto"
-    """auto (Triton on CUDA, torch elsewhere), triton (TRITON_INTERPRET=1 on CPU) or torch."""
+    """auto (torch until the Triton kernels are verified on a GPU), triton (TRITON_INTERPRET=1 on CPU) or torch."""
 
 
 @dataclass
@@ -298,6 +300,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _choice("train.recompute", t.recompute, ("none", "selective", "full"))
     if t.recompute_every < 1:
         _fail("train.recompute_every", t.recompute_every, "must be >= 1", "use 1 (every layer) or k (every k-th)")
+    if t.compile and cfg.zero.stage == 3:
+        _fail("train.compile", True, "does not work with zero.stage=3 (ZeRO-3 gathers and frees parameters in "
+              "module hooks that a compiled block would trace through)", "use zero.stage=1 or 2, or train.compile=false")
     if t.grad_clip < 0:
         _fail("train.grad_clip", t.grad_clip, "must be >= 0", "use 1.0, or 0 to disable clipping")
     if t.eval_interval < 0 or t.eval_iters <= 0:

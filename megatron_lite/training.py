@@ -100,6 +100,8 @@ def run(cfg: Config) -> dict:
     del weights
     model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
+    if cfg.train.compile:
+        model.compile_blocks()
     engine = Engine(cfg, model, ctx, load_universal=universal)
 
     start_step, consumed, wandb_id = 0, 0, None

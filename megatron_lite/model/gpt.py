@@ -332,6 +332,13 @@ class GPT(nn.Module):
             if hasattr(module, "kernel_backend"):
                 module.kernel_backend = backend
 
+    def compile_blocks(self) -> None:
+        """train.compile: torch.compile each transformer block in place (nn.Module.compile keeps the module and
+        its parameter names, so checkpoints, DeepSpeed's hooks and recompute see the same model). Blocks with
+        dropout break the graph at the keyed mask draws and still run correctly."""
+        for block in self.blocks.values():
+            block.compile()
+
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... (global layer indices,
         wherever the pipeline put them) and reruns each such block in backward; `selective` reruns every block's

@@ -51,6 +51,7 @@ BAD = [
     (["train.steps=0"], 1, "train.steps=0 must be positive"),
     (["optim.warmup_steps=-1"], 1, "optim.warmup_steps=-1"),
     (["train.precision=fp16"], 1, "train.precision=fp16 is not a valid choice"),
+    (["train.compile=true", "zero.stage=3"], 2, "train.compile=True does not work with zero.stage=3"),
     (["model.dropout=1.5"], 1, "model.dropout=1.5"),
     (["model.norm=batchnorm"], 1, "model.norm=batchnorm"),
     (["checkpoint.resume=/no/such/ckpt"], 1, "checkpoint.resume=/no/such/ckpt"),
