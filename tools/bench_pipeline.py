@@ -78,14 +78,15 @@ class _Sleep(torch.autograd.Function):
 
 
 class StandIn(torch.nn.Module):
-    """vpp chunks of fixed wall-clock cost, called as the executor calls the engine: forward(x, labels, chunk=k)."""
+    """vpp chunks of fixed wall-clock cost, called as the executor calls the engine: forward(x, labels, chunk=k,
+    rng_key=...) (no dropout here, so the key is unused)."""
 
     def __init__(self, vpp: int, h: int, f_s: float, b_s: float):
         super().__init__()
         self.gain = torch.nn.Parameter(torch.ones(vpp, h))
         self.f_s, self.b_s = f_s, b_s
 
-    def forward(self, x, labels, chunk: int):
+    def forward(self, x, labels, chunk: int, rng_key=None):
         if not x.is_floating_point():  # virtual stage 0: tokens (b, s) -> (b, s, h), in the graph through `gain`
             x = x.unsqueeze(-1).float() * 1e-3
         y = _Sleep.apply(x * self.gain[chunk], self.f_s, self.b_s)
