@@ -5,7 +5,11 @@ Compose the config, validate it before any process group exists, then hand over 
 
 import sys
 
-from megatron_lite.cli import main
+from megatron_lite import stop
+
+stop.install()  # before the heavy imports below: a SIGUSR1/SIGTERM during start-up is caught too
+
+from megatron_lite.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,13 +1,6 @@
-"""Checkpoints: every rank writes its shards, rank 0 commits, `latest` only ever names a complete one.
-
-Layout (DESIGN §1):
-  ${checkpoint.dir}/step_<NNNNNNN>/   DeepSpeed's files (mp_rank_*_model_states.pt, *_optim_states.pt),
-                                      rng_rank<R>.pt per rank, and meta.json written last by rank 0
-  ${checkpoint.dir}/latest            the newest complete step directory's name, replaced atomically
-
-Commit protocol: (1) every rank writes; (2) barrier; (3) rank 0 writes meta.json (tmp + rename) and then
-`latest` (tmp + rename); (4) rank 0 prunes to `keep`. A directory without meta.json is never loaded, so a rank
-killed mid-write leaves `latest` on the previous checkpoint.
+"""Checkpoint contents with a DeepSpeed engine: save and load (the on-disk commit protocol, manifests,
+fallback and pruning are checkpoint_store.py), RNG streams, the universal conversion for layout changes,
+weights-only checkpoints for HF import/export, and the config-time check of a resume.
 
 Elastic resume: when the checkpoint's DP or TP size or ZeRO stage differs from the current job's, rank 0
 converts it once into DeepSpeed's universal (layout-free) format beside the shards (path/universal), and every
@@ -34,47 +27,59 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ModelConfig, RunError
 
-LATEST = "latest"
-META = "meta.json"
-UNIVERSAL = "universal"  # sub-directory holding the DP-independent conversion
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:07d}"
+from megatron_lite import checkpoint_store as store
+from megatron_lite.checkpoint_store import LATEST, META, UNIVERSAL, atomic_write, read_meta, step_name
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _warn(text: str) -> None:
+    print(f"warning: {text}", flush=True)
 
 
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
-        return json.load(f)
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The step directory `latest` names, if it is complete; None when there is none."""
+def _agreed_problem(path: str, ctx) -> str | None:
+    """Collective: every rank checksums its share of path's manifest; the first problem any rank found."""
     try:
-        with open(os.path.join(root, LATEST)) as f:
-            path = os.path.join(root, f.read().strip())
-    except FileNotFoundError:
-        return None
-    return path if os.path.isfile(os.path.join(path, META)) else None
+        manifest = read_meta(path).get("manifest")
+    except (OSError, ValueError) as err:
+        return f"{os.path.join(path, META)} cannot be read ({err})"
+    mine = None if manifest is None else store.verify_share(path, manifest, ctx.rank, ctx.world_size)
+    found = [None] * ctx.world_size
+    dist.all_gather_object(found, mine)
+    return next((p for p in found if p is not None), None)
 
 
-def resolve_resume(resume: str, root: str) -> str | None:
+def choose_resume(resume: str, root: str, ctx) -> str | None:
+    """Collective: the checkpoint to resume (None: start fresh), every file checked against its manifest.
+    resume=auto falls back past unsound checkpoints with a warning (checkpoint_store.py); an explicit path
+    does not fall back. Raises RunError (one line) when checkpoints exist and none is sound."""
     if resume == "never":
         return None
-    if resume == "auto":
-        return latest_checkpoint(root)
-    return resume
+    if resume != "auto":
+        problem = _agreed_problem(resume, ctx)
+        if problem is not None:
+            raise RunError(f"checkpoint.resume={resume} cannot be loaded: {problem}; resume another checkpoint "
+                               "or use checkpoint.resume=auto")
+        return resume
+    candidates, notes = store.resume_candidates(root)
+    for path in candidates:
+        problem = _agreed_problem(path, ctx)
+        if problem is None:
+            if notes and ctx.is_first:
+                _warn(f"resuming from {path}, an older checkpoint: " + "; ".join(notes))
+            return path
+        notes.append(f"{os.path.basename(path)} skipped: {problem}")
+    if notes or store.uncommitted_leftovers(root):
+        found = "; ".join(notes) or f"only uncommitted step directories ({', '.join(store.uncommitted_leftovers(root))})"
+        raise RunError(f"checkpoint.resume=auto found no sound checkpoint in {root}: {found}. Nothing was "
+                           "deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir")
+    return None
+
+
+def first_sound(root: str) -> str | None:
+    """One process, before any process group: what choose_resume(auto) will most likely pick (sizes only)."""
+    candidates, _ = store.resume_candidates(root)
+    return next((p for p in candidates if store.verify(p) is None), None)
 
 
 # --- RNG streams ------------------------------------------------------------------------------------------
@@ -109,37 +114,58 @@ def _decode(text: str) -> Any:
 # --- save / load with a DeepSpeed engine ------------------------------------------------------------------
 
 def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
-    """Collective: every rank writes its shards, rank 0 commits. Returns the step directory."""
+    """Collective: every rank writes and fsyncs its shards, the ranks checksum them, rank 0 commits
+    (checkpoint_store.py). Returns the step directory."""
     tag = step_name(step)
     path = os.path.join(root, tag)
     if ctx.is_first:
         os.makedirs(root, exist_ok=True)
-        if os.path.exists(path):  # leftovers of an interrupted write of this very step: never committed
-            shutil.rmtree(path)
+        aside = store.clear_for_write(path)
+        if aside is not None:
+            _warn(f"{path} held a committed checkpoint this run replaces (passed over at resume as unsound, or "
+                  f"left by a run before checkpoint.resume=never); kept as {aside}")
     dist.barrier()
     engine.save(root, tag)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
-    dist.barrier()  # every rank's files are on disk
+    dist.barrier()  # every rank's files exist
+    store.fsync_tree(path)  # this rank's writes (and everyone's, harmlessly) reach the disk
+    shares = [None] * ctx.world_size
+    dist.all_gather_object(shares, store.manifest_share(path, ctx.rank, ctx.world_size))
     if ctx.is_first:
-        meta = dict(meta, step=step, kind="deepspeed", rng_rank0=_encode(rng_state()))
-        _atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
-        _atomic_write(os.path.join(root, LATEST), tag)
-        prune(root, keep)
+        manifest = {rel: entry for share in shares for rel, entry in share.items()}
+        meta = dict(meta, step=step, kind="deepspeed", rng_rank0=_encode(rng_state()), manifest=manifest)
+        atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+        atomic_write(os.path.join(root, LATEST), tag)
+        store.prune(root, keep, step)
     dist.barrier()
     return path
 
 
-def prune(root: str, keep: int) -> None:
-    """Delete complete checkpoints beyond the newest `keep`, and incomplete ones older than the newest."""
-    if keep <= 0:
-        return
-    steps = sorted(glob.glob(os.path.join(root, "step_" + "[0-9]" * 7)))
-    complete = [p for p in steps if os.path.isfile(os.path.join(p, META))]
-    doomed = set(complete[:-keep])
-    if complete:
-        doomed |= {p for p in steps if p not in complete and p < complete[-1]}
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+def same_layout(layout: dict, ctx, zero_stage: int, pipe: tuple | None) -> bool:
+    """Whether a checkpoint was written with this job's whole layout: dp, tp, pipeline and ZeRO stage."""
+    saved = (layout["world_size"], layout["dp"], layout.get("tp", 1), layout["zero_stage"])
+    return saved == (ctx.world_size, ctx.dp_size, ctx.tp_size, zero_stage) and \
+        (pipe is None or saved_pipeline(layout) == pipe)
+
+
+# The settings that decide which samples each step sees (data/sampler.py); model.seq_len is checked with the
+# model (check_resume).
+DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("train", "global_batch_size"))
+
+
+def data_stream_changes(saved_config: dict, cfg) -> list[str]:
+    """`key: saved -> now` for every data-stream setting a resume changes (the steps after it see other
+    samples than the uninterrupted run would have)."""
+    from dataclasses import asdict
+
+    now, out = asdict(cfg), []
+    for key in DATA_STREAM_KEYS:
+        old, new = saved_config, now
+        for part in key:
+            old, new = (old or {}).get(part), new.get(part)
+        if old is not None and old != new:
+            out.append(f"{'.'.join(key)}: {old} -> {new}")
+    return out
 
 
 def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int, pipe: tuple | None = None) -> bool:
@@ -201,10 +227,11 @@ def load(engine, ctx, path: str, zero_stage: int, pipe: tuple | None = None) -> 
         engine.load(path, UNIVERSAL)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
-    # Same world: each rank continues its own streams. Resized world: ranks fall back to rank 0's streams.
-    # Dropout masks follow either way: they are keyed by the step, not drawn from these streams.
+    # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where
+    # rank r would now play another role): every rank takes rank 0's streams, the same on every rank whatever
+    # the layout. Dropout masks follow either way: they are keyed by the step, not drawn from these streams.
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
-    if meta["layout"]["world_size"] == ctx.world_size and os.path.isfile(own):
+    if same_layout(meta["layout"], ctx, zero_stage, pipe) and os.path.isfile(own):
         set_rng_state(torch.load(own, weights_only=False))
     else:
         set_rng_state(_decode(meta["rng_rank0"]))
@@ -222,9 +249,11 @@ def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, s
     os.makedirs(path, exist_ok=True)
     torch.save({k: v.detach().cpu().float().contiguous() for k, v in state_dict.items()},
                os.path.join(path, "model.pt"))
-    meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg)}
-    _atomic_write(os.path.join(path, META), json.dumps(meta, indent=1))
-    _atomic_write(os.path.join(ckpt_root, LATEST), tag)
+    store.fsync_tree(path)
+    meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg),
+            "manifest": store.manifest_share(path, 0, 1)}
+    atomic_write(os.path.join(path, META), json.dumps(meta, indent=1))
+    atomic_write(os.path.join(ckpt_root, LATEST), tag)
     return path
 
 
@@ -260,7 +289,7 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
 def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
     if os.path.isfile(os.path.join(path, LATEST)):
-        resolved = latest_checkpoint(path)
+        resolved = store.latest_checkpoint(path)
         if resolved is None:
             raise FileNotFoundError(f"{path}/latest names no complete checkpoint")
         path = resolved
@@ -294,9 +323,26 @@ def check_resume(cfg, world_size: int) -> None:
     from megatron_lite.config import ConfigError
     from megatron_lite.deepspeed_config import resolve_precision
 
-    path = resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
-    if path is None:
+    resume, root = cfg.checkpoint.resume, cfg.checkpoint.dir
+    if resume == "never":
         return
+    if resume == "auto":
+        path = first_sound(root)
+        candidates, notes = store.resume_candidates(root)
+        if path is None and (candidates or notes or store.uncommitted_leftovers(root)):
+            found = "; ".join(notes + [f"{os.path.basename(p)}: {store.verify(p)}" for p in candidates]) or \
+                f"only uncommitted step directories ({', '.join(store.uncommitted_leftovers(root))})"
+            raise ConfigError(f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {found}. "
+                              "Nothing was deleted; to start fresh there use checkpoint.resume=never")
+        if path is None:
+            return
+    else:
+        path = resume
+        newer = store.newer_checkpoints(root, read_meta(path).get("step", 0))
+        if newer:
+            raise ConfigError(f"checkpoint.resume={resume} would train over newer checkpoints in checkpoint.dir={root} "
+                              f"({', '.join(os.path.basename(p) for p in newer)}); resume the newest "
+                              "(checkpoint.resume=auto), or write to another checkpoint.dir")
     meta = read_meta(path)
     saved = meta["model"] if meta["kind"] == "weights" else meta["config"]["model"]
     for key, value in asdict(cfg.model).items():

@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, ConfigError, validate
+from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, ConfigError, RunError, validate
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 ConfigStore.instance().store(name="schema", node=Config)
@@ -69,6 +69,13 @@ def load(overrides: list[str], world_size: int | None = None) -> Config:
     return cfg
 
 
+def _one_line(message: str, code: int) -> int:
+    """Print an error once (on rank 0) and return the exit code: 2 configuration, 3 a run that cannot go on."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
@@ -85,14 +92,16 @@ def main(argv: list[str] | None = None) -> int:
 
         check_offload_support(cfg)
     except ConfigError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {err}", file=sys.stderr)
-        return 2
+        return _one_line(f"config error: {err}", 2)
     import torch.distributed as dist
 
     from megatron_lite.training import run
 
-    run(cfg)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        run(cfg)
+    except RunError as err:
+        return _one_line(f"error: {err}", 3)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0

@@ -26,6 +26,11 @@ class ConfigError(ValueError):
     """A bad configuration value; its message is one line: key, value, why, fix."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on, said in one line (train.py exits 3): no sound checkpoint to resume, too many
+    non-finite steps in a row."""
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -120,6 +125,9 @@ class TrainConfig:
     """Activation recomputation: none, selective (the attention core of every layer) or full (whole layers)."""
     recompute_every: int = 1
     """With recompute=full: recompute layers 0, k, 2k, ... (1 = every layer; larger trades memory for speed)."""
+    max_skipped_in_row: int = 5
+    """Stop (without saving) after this many consecutive steps with a non-finite loss or gradient norm, each of
+    which skips its update on every rank; 0 never stops."""
     compile: bool = False
     """torch.compile each transformer block (GPU fusion next to our kernels); not with zero.stage=3."""
     grad_clip: float = 1.0
@@ -300,6 +308,8 @@ def validate(cfg: Config, world_size: int) -> None:
     _choice("train.recompute", t.recompute, ("none", "selective", "full"))
     if t.recompute_every < 1:
         _fail("train.recompute_every", t.recompute_every, "must be >= 1", "use 1 (every layer) or k (every k-th)")
+    if t.max_skipped_in_row < 0:
+        _fail("train.max_skipped_in_row", t.max_skipped_in_row, "must be >= 0", "use 5, or 0 to never stop")
     if t.compile and cfg.zero.stage == 3:
         _fail("train.compile", True, "does not work with zero.stage=3 (ZeRO-3 gathers and frees parameters in "
               "module hooks that a compiled block would trace through)", "use zero.stage=1 or 2, or train.compile=false")

@@ -13,7 +13,9 @@ PipelineEngine (our pipeline runs chunks through this engine instead).
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +28,13 @@ from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.schedules import resolve_schedule
 from megatron_lite.pipeline.tied import TiedEmbedding
+
+
+@dataclass
+class StepOutcome:
+    loss: float       # the step's mean loss over the global batch (same on every rank)
+    grad_norm: float  # before clipping; inf or nan on a skipped step
+    skipped: bool     # the loss or the gradient norm was not finite: no update happened on any rank
 
 
 class Engine:
@@ -79,11 +88,10 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float, step: int) -> tuple[torch.Tensor, float]:
-        """Run the schedule over every micro-batch, then one optimizer step. `step` keys the dropout masks
-        with each micro-batch's place in the global batch (micro-batch j of DP rank r is j·dp + r, the sampler's
-        order), so they do not depend on the layout. Returns (the replica's mean loss, the same on every pipeline
-        rank; grad norm)."""
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float, step: int) -> StepOutcome:
+        """Run the schedule over every micro-batch, then one optimizer step unless the loss or the gradient
+        norm is not finite. `step` keys the dropout masks with each micro-batch's place in the global batch
+        (micro-batch j of DP rank r is j·dp + r, the sampler's order), so they do not depend on the layout."""
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
         dp, dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         rng_keys = [(step, j * dp + dp_rank) for j in range(len(micro_batches))]
@@ -95,15 +103,32 @@ class Engine:
         if self.tied is not None:
             self._new_backward()
             self.tied.sync(self.forward)
+        # The loss, averaged over DP (and broadcast over the pipeline), and the gradient norm are the same
+        # numbers on every rank, so each rank reaches the same skip decision without another collective.
+        loss = self.dp_mean(self._pipeline_loss(stats.loss))
         if self._zero_backward:
+            # DeepSpeed's ZeRO and bf16 optimizers compute the norm inside step() and, when it is not finite,
+            # clear the gradients and leave parameters and optimizer state untouched (their overflow check).
+            # A non-finite loss always makes a non-finite gradient, so the norm decides.
             self.module.step()
-            grad_norm = self.module.get_global_grad_norm()
+            grad_norm = float(self.module.get_global_grad_norm())
+            skipped = not math.isfinite(grad_norm)
         else:
             self.module.buffered_allreduce_fallback()  # DP average of .grad, as DeepSpeed's boundary would do
             grad_norm = self._reduced_grad_norm()
-            self._clip_plain(grad_norm)
-            self.module.step()
-        return self._pipeline_loss(stats.loss), float(grad_norm)
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            if skipped:
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self._clip_plain(grad_norm)
+                self.module.step()
+        return StepOutcome(loss, grad_norm, skipped)
+
+    def dp_mean(self, value: torch.Tensor) -> float:
+        """Mean of a per-replica scalar over the data-parallel group."""
+        value = value.detach().clone()
+        torch.distributed.all_reduce(value, group=self.ctx.dp_group)
+        return value.item() / self.ctx.dp_size
 
     def _new_backward(self) -> None:
         if self._zero_backward:  # a ZeRO optimizer behind the engine's forward

@@ -1,15 +1,15 @@
 """The training loop: context -> model -> engine -> (resume) -> steps with metrics, eval and checkpoints.
 
-Stop signals (SIGUSR1 from Slurm's --signal, SIGTERM from a preemption or torchrun) only set a flag; all
-ranks agree on it at the next step boundary (a max all-reduce), save a checkpoint and return, so a
-requeued or restarted job resumes with `checkpoint.resume=auto`.
+Stop signals (SIGUSR1 from Slurm's --signal, SIGTERM from a preemption or torchrun) only set a flag
+(stop.py); all ranks agree on it at the next step boundary, save a checkpoint and return, so a requeued or
+restarted job resumes with `checkpoint.resume=auto`. A step with a non-finite loss or gradient norm updates
+nothing (engine.py); too many in a row end the run (NonFiniteError).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 from dataclasses import asdict
 
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from kernels import resolve_backend
-from megatron_lite import checkpoint
-from megatron_lite.config import Config, repo_path
+from megatron_lite import checkpoint, stop
+from megatron_lite.config import Config, RunError, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
 from megatron_lite.deepspeed_config import deepspeed_config, resolve_precision
@@ -38,27 +38,8 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class StopFlag:
-    """Set by SIGUSR1/SIGTERM; read collectively at step boundaries."""
-
-    def __init__(self):
-        self.raised = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.raised = True
-
-    def agreed(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.raised else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-def _dp_mean(value: torch.Tensor, ctx: ParallelContext) -> float:
-    value = value.detach().clone()
-    dist.all_reduce(value, group=ctx.dp_group)
-    return value.item() / ctx.dp_size
+class NonFiniteError(RunError):
+    """train.max_skipped_in_row consecutive steps had a non-finite loss or gradient norm."""
 
 
 def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
@@ -79,10 +60,10 @@ def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
     init_distributed()
     ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp)
-    stop = StopFlag()
+    stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
     seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
 
-    resume_path = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
+    resume_path = checkpoint.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
     meta = checkpoint.read_meta(resume_path) if resume_path else None
 
     weights = checkpoint.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
@@ -129,6 +110,10 @@ def run(cfg: Config) -> dict:
                                        fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
     if start_step:
         logger.print(f"resumed from {resume_path} at step {start_step} ({consumed} samples consumed)")
+        changes = checkpoint.data_stream_changes(meta.get("config", {}), cfg) if meta["kind"] == "deepspeed" else []
+        if changes:
+            logger.print("warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
+                         f"{start_step + 1} see other samples than the run that wrote the checkpoint would have")
     if start_step >= cfg.train.steps:
         logger.print(f"nothing to do: {cfg.checkpoint.dir} already holds step {start_step} of train.steps="
                      f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
@@ -151,10 +136,17 @@ def run(cfg: Config) -> dict:
         logger.print(f"saved {path}")
 
     losses, grad_norms, step, stopped = [], [], start_step, False
+    if stop.agreed(ctx.device):  # a signal during start-up: nothing has trained, so nothing to save
+        logger.print(f"stop signal during start-up: exiting before step {start_step + 1}, nothing saved")
+        logger.close()
+        engine.close()
+        return {"losses": [], "grad_norms": [], "last_step": start_step, "stopped": True}
+    skipped_total, in_row = 0, 0  # updates skipped for a non-finite loss or gradient norm (this process's run)
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
-        loss, grad_norm = engine.train_step(batches.next_step(), lr, step)
-        loss = _dp_mean(loss, ctx)
+        outcome = engine.train_step(batches.next_step(), lr, step)
+        loss, grad_norm = outcome.loss, outcome.grad_norm
+        skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -163,17 +155,27 @@ def run(cfg: Config) -> dict:
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt, "mfu": model_flops / dt / (ctx.world_size * peak),
-            "hfu": hw_flops / dt / (ctx.world_size * peak),
+            "hfu": hw_flops / dt / (ctx.world_size * peak), "skipped_steps": skipped_total,
         }
         if bubble is not None:
             record["bubble"] = bubble
         if val_set is not None and step % cfg.train.eval_interval == 0:
             val = val_batches(val_set, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size, cfg.train.eval_iters)
-            record["val_loss"] = _dp_mean(engine.eval_loss(val), ctx)
+            record["val_loss"] = engine.dp_mean(engine.eval_loss(val))
             record["val_ppl"] = float(np.exp(min(record["val_loss"], 50.0)))
         logger.log(step, record)
         losses.append(loss)
         grad_norms.append(grad_norm)
+        if outcome.skipped:
+            logger.print(f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, update skipped on every rank "
+                         f"({in_row} in a row, {skipped_total} in all)")
+            if in_row >= cfg.train.max_skipped_in_row > 0:
+                logger.close()
+                engine.close()
+                raise NonFiniteError(
+                    f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: steps {step - in_row + 1}-{step} all had "
+                    f"a non-finite loss or gradient norm; stopped without saving (the weights are those before step "
+                    f"{step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or other data")
         stopped = stop.agreed(ctx.device)
         interval = cfg.checkpoint.interval
         if stopped or step == cfg.train.steps or (interval and step % interval == 0):

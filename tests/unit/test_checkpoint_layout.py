@@ -1,11 +1,12 @@
 """Which resumes go through DeepSpeed's universal format (a layout change does, the same layout never does),
-and which precision changes a resume refuses."""
+which precision changes a resume refuses, when RNG streams continue, and how a data-stream change is named."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from megatron_lite.checkpoint import needs_universal, saved_pipeline
+from megatron_lite.checkpoint import data_stream_changes, needs_universal, same_layout, saved_pipeline
 from megatron_lite.cli import load
 from megatron_lite.config import ConfigError
 
@@ -46,3 +47,19 @@ def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_pat
         resume("bf16", 1, "train.precision=fp32", "zero.stage=1")
     with pytest.raises(ConfigError, match=r"train.precision=bf16 .* use train.precision=fp32"):
         resume("fp32", 2, "train.precision=bf16", "zero.stage=2")
+
+
+def test_rng_streams_continue_only_at_the_same_layout():
+    layout = {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "vpp": 1, "zero_stage": 2, "layers_per_stage": [4]}
+    ctx = SimpleNamespace(world_size=4, dp_size=2, tp_size=2)
+    assert same_layout(layout, ctx, 2, (1, 1, ()))
+    assert not same_layout(layout, SimpleNamespace(world_size=4, dp_size=1, tp_size=4), 2, (1, 1, ()))  # same world
+    assert not same_layout(layout, ctx, 1, (1, 1, ()))
+
+
+def test_data_stream_changes_are_named_by_key():
+    cfg = load(["train.global_batch_size=32", "seed=7"], world_size=1)
+    saved = {"seed": 1234, "data": {"path": cfg.data.path}, "train": {"global_batch_size": 16}}
+    assert data_stream_changes(saved, cfg) == ["seed: 1234 -> 7", "train.global_batch_size: 16 -> 32"]
+    assert data_stream_changes({"seed": 7, "data": {"path": cfg.data.path}, "train": {"global_batch_size": 32}},
+                               cfg) == []
