@@ -21,6 +21,7 @@ import os
 import pickle
 import random
 import shutil
+import time
 from typing import Any
 
 import numpy as np
@@ -212,9 +213,14 @@ def convert_to_universal(path: str) -> str:
 
 
 def prepare_universal(path: str, ctx) -> None:
-    """Rank 0 converts `path` to the universal format; everyone waits for it."""
+    """Rank 0 converts `path` to the universal format; the others wait for its `done` file on disk, not in a
+    collective: converting a large checkpoint can outlast any collective timeout (dist.timeout_s). Should
+    rank 0 die meanwhile, torchrun (or srun) ends the others."""
     if ctx.is_first:
         convert_to_universal(path)
+    else:
+        while not os.path.isfile(os.path.join(path, UNIVERSAL, "done")):
+            time.sleep(0.5)
     dist.barrier()
 
 

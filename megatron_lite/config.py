@@ -202,6 +202,16 @@ class LoggingConfig:
 
 
 @dataclass
+class DistConfig:
+    timeout_s: int = 600
+    """Collective timeout (s) from start-up through the first step, and around checkpoint writes: rendezvous,
+    group creation, resume, the first step's warm-up and every save wait this long for the slowest rank."""
+    step_timeout_s: int = 300
+    """Collective timeout (s) between the first step and the end: a dead or hung rank ends the job this soon
+    (then torchrun or Slurm restarts it). Keep it above the slowest step plus its evaluation."""
+
+
+@dataclass
 class KernelsConfig:
     backend: str = "auto"
     """auto (torch until the Triton kernels are verified on a GPU), triton (TRITON_INTERPRET=1 on CPU) or torch."""
@@ -219,6 +229,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     seed: int = 1234
     """Seed of weights, data order and dropout."""
 
@@ -308,6 +319,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _choice("train.recompute", t.recompute, ("none", "selective", "full"))
     if t.recompute_every < 1:
         _fail("train.recompute_every", t.recompute_every, "must be >= 1", "use 1 (every layer) or k (every k-th)")
+    for key in ("timeout_s", "step_timeout_s"):
+        if getattr(cfg.dist, key) < 1:
+            _fail(f"dist.{key}", getattr(cfg.dist, key), "must be >= 1 (seconds)", "use e.g. 600 / 300")
     if t.max_skipped_in_row < 0:
         _fail("train.max_skipped_in_row", t.max_skipped_in_row, "must be >= 0", "use 5, or 0 to never stop")
     if t.compile and cfg.zero.stage == 3:

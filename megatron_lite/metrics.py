@@ -215,6 +215,8 @@ def _status_line(step: int, total: int, m: dict) -> str:
         parts.append(f"bubble {100 * m['bubble']:.1f}%")
     if m.get("skipped_steps"):
         parts.append(f"skipped {m['skipped_steps']}")
+    if m.get("restarts"):
+        parts.append(f"restarts {m['restarts']}")
     return "  ".join(parts)
 
 

@@ -28,7 +28,7 @@ from megatron_lite.engine import Engine
 from megatron_lite.lr_schedule import lr_at
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
-from megatron_lite.parallel.context import ParallelContext, init_distributed
+from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.pipeline.partition import layers_per_stage
 
 
@@ -36,6 +36,11 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def restart_count() -> int:
+    """How often this job has been restarted: torchrun's worker-group restarts plus Slurm's requeues."""
+    return sum(int(os.environ.get(key, "0") or 0) for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
 class NonFiniteError(RunError):
@@ -58,7 +63,7 @@ def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
 
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
-    init_distributed()
+    init_distributed(cfg.dist.timeout_s)
     ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp)
     stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
     seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
@@ -119,6 +124,10 @@ def run(cfg: Config) -> dict:
                      f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
     pipeline = (f", vpp {p.vpp}, {engine.executor.schedule_name} schedule, layers per virtual stage "
                 f"{layers}" if ctx.pp_size > 1 else "")
+    restarts = restart_count()
+    if restarts:
+        logger.print(f"restart {restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
+                     f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})")
     logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}"
                  f"{pipeline}), "
                  f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
@@ -132,7 +141,9 @@ def run(cfg: Config) -> dict:
                        "vpp": p.vpp, "zero_stage": cfg.zero.stage, "precision": resolve_precision(cfg),
                        "layers_per_stage": layers},
         }
+        set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
+        set_collective_timeout(cfg.dist.step_timeout_s)
         logger.print(f"saved {path}")
 
     losses, grad_norms, step, stopped = [], [], start_step, False
@@ -145,6 +156,8 @@ def run(cfg: Config) -> dict:
     for step in range(start_step + 1, cfg.train.steps + 1):
         t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
         outcome = engine.train_step(batches.next_step(), lr, step)
+        if step == start_step + 1:  # start-up and the first step's warm-up are done: a hang now ends the job soon
+            set_collective_timeout(cfg.dist.step_timeout_s)
         loss, grad_norm = outcome.loss, outcome.grad_norm
         skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
         if ctx.device.type == "cuda":
@@ -155,7 +168,7 @@ def run(cfg: Config) -> dict:
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens": batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt, "mfu": model_flops / dt / (ctx.world_size * peak),
-            "hfu": hw_flops / dt / (ctx.world_size * peak), "skipped_steps": skipped_total,
+            "hfu": hw_flops / dt / (ctx.world_size * peak), "skipped_steps": skipped_total, "restarts": restarts,
         }
         if bubble is not None:
             record["bubble"] = bubble

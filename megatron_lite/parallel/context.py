@@ -39,6 +39,17 @@ def init_distributed(timeout_s: int = 600) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def set_collective_timeout(seconds: int) -> None:
+    """Make every process group created so far (ours, DeepSpeed's, the default) time out its collectives
+    after `seconds`. torch offers this only as distributed_c10d._set_pg_timeout (gloo and NCCL); it is the
+    call that lets the trainer use a long timeout for start-up and checkpoints and a short one in between."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
+
+
 def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
     """Global ranks laid out as a (pp, dp, tp) tensor."""
     assert world_size % (tp * pp) == 0, (world_size, tp, pp)
