@@ -36,7 +36,18 @@ def init_distributed(timeout_s: int = 600) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun serves one store for the whole job, across restarts, and torch 2.13 does not prefix it per
+        # attempt: a restarted worker group found the dead group's addresses under the same keys, and gloo's
+        # connectFullMesh failed with "Connection refused" (or hung). Each attempt gets its own key space.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"megatron_lite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
 
 
 def set_collective_timeout(seconds: int) -> None:
