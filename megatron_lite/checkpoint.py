@@ -28,10 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import ModelConfig, RunError
-
 from megatron_lite import checkpoint_store as store
 from megatron_lite.checkpoint_store import LATEST, META, UNIVERSAL, atomic_write, read_meta, step_name
+from megatron_lite.config import ModelConfig, RunError
 
 
 def _warn(text: str) -> None:
@@ -50,6 +49,28 @@ def _agreed_problem(path: str, ctx) -> str | None:
     return next((p for p in found if p is not None), None)
 
 
+def _pick_auto(root: str, problem_of) -> tuple[str | None, list[str]]:
+    """resume=auto: the first candidate (checkpoint_store.resume_candidates) for which problem_of(path) is None,
+    and notes on every one passed over; (None, notes) when none is sound."""
+    candidates, notes = store.resume_candidates(root)
+    for path in candidates:
+        problem = problem_of(path)
+        if problem is None:
+            return path, notes
+        notes.append(f"{os.path.basename(path)}: {problem}")
+    return None, notes
+
+
+def _none_sound(root: str, notes: list[str]) -> str | None:
+    """The one-line message when resume=auto found checkpoints but none sound; None when there were none."""
+    leftovers = store.uncommitted_leftovers(root)
+    if not notes and not leftovers:
+        return None
+    found = "; ".join(notes) or f"only uncommitted step directories ({', '.join(leftovers)})"
+    return (f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {found}. Nothing was "
+            "deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir")
+
+
 def choose_resume(resume: str, root: str, ctx) -> str | None:
     """Collective: the checkpoint to resume (None: start fresh), every file checked against its manifest.
     resume=auto falls back past unsound checkpoints with a warning (checkpoint_store.py); an explicit path
@@ -60,27 +81,22 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
         problem = _agreed_problem(resume, ctx)
         if problem is not None:
             raise RunError(f"checkpoint.resume={resume} cannot be loaded: {problem}; resume another checkpoint "
-                               "or use checkpoint.resume=auto")
+                           "or use checkpoint.resume=auto")
         return resume
-    candidates, notes = store.resume_candidates(root)
-    for path in candidates:
-        problem = _agreed_problem(path, ctx)
-        if problem is None:
-            if notes and ctx.is_first:
-                _warn(f"resuming from {path}, an older checkpoint: " + "; ".join(notes))
-            return path
-        notes.append(f"{os.path.basename(path)} skipped: {problem}")
-    if notes or store.uncommitted_leftovers(root):
-        found = "; ".join(notes) or f"only uncommitted step directories ({', '.join(store.uncommitted_leftovers(root))})"
-        raise RunError(f"checkpoint.resume=auto found no sound checkpoint in {root}: {found}. Nothing was "
-                           "deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir")
+    path, notes = _pick_auto(root, lambda p: _agreed_problem(p, ctx))
+    if path is not None:
+        if notes and ctx.is_first:
+            _warn(f"resuming from {path}, an older checkpoint: " + "; ".join(notes))
+        return path
+    message = _none_sound(root, notes)
+    if message is not None:
+        raise RunError(message)
     return None
 
 
 def first_sound(root: str) -> str | None:
     """One process, before any process group: what choose_resume(auto) will most likely pick (sizes only)."""
-    candidates, _ = store.resume_candidates(root)
-    return next((p for p in candidates if store.verify(p) is None), None)
+    return _pick_auto(root, store.verify)[0]
 
 
 # --- RNG streams ------------------------------------------------------------------------------------------
@@ -316,31 +332,22 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     return model_cfg, {k: v.float() for k, v in state.items()}
 
 
-def holds_bf16(precision: str, zero_stage: int) -> bool:
-    """Whether DeepSpeed holds bf16 parameters (and so writes bf16-format states): bf16 on ZeRO 1-3; ZeRO-0
-    trains bf16 on fp32 parameters under autocast (engine.py), so its checkpoints are fp32 ones."""
-    return precision == "bf16" and zero_stage > 0
-
-
 def check_resume(cfg, world_size: int) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError)."""
     from dataclasses import asdict
 
     from megatron_lite.config import ConfigError
-    from megatron_lite.deepspeed_config import resolve_precision
+    from megatron_lite.deepspeed_config import holds_bf16, resolve_precision
 
     resume, root = cfg.checkpoint.resume, cfg.checkpoint.dir
     if resume == "never":
         return
     if resume == "auto":
-        path = first_sound(root)
-        candidates, notes = store.resume_candidates(root)
-        if path is None and (candidates or notes or store.uncommitted_leftovers(root)):
-            found = "; ".join(notes + [f"{os.path.basename(p)}: {store.verify(p)}" for p in candidates]) or \
-                f"only uncommitted step directories ({', '.join(store.uncommitted_leftovers(root))})"
-            raise ConfigError(f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {found}. "
-                              "Nothing was deleted; to start fresh there use checkpoint.resume=never")
+        path, notes = _pick_auto(root, store.verify)  # sizes only: the ranks checksum at load (choose_resume)
         if path is None:
+            message = _none_sound(root, notes)
+            if message is not None:
+                raise ConfigError(message)
             return
     else:
         path = resume

@@ -195,8 +195,9 @@ def newer_checkpoints(root: str, step: int) -> list[str]:
 # --- writing and pruning ----------------------------------------------------------------------------------
 
 def clear_for_write(path: str) -> str | None:
-    """Before writing step directory `path`: an uncommitted leftover is removed; a committed one (only ever a
-    checkpoint resume=auto passed over as unsound) is renamed aside, never deleted. Returns the new name."""
+    """Before writing step directory `path`: an uncommitted leftover is removed; a committed one (a checkpoint
+    resume=auto passed over as unsound, or one left by a run before checkpoint.resume=never) is renamed aside,
+    never deleted. Returns the new name."""
     if not os.path.exists(path):
         return None
     if not is_complete(path):

@@ -18,6 +18,13 @@ def resolve_precision(cfg: Config) -> str:
     return cfg.train.precision
 
 
+def holds_bf16(precision: str, zero_stage: int) -> bool:
+    """Whether DeepSpeed holds bf16 parameters (and so writes bf16-format states): bf16 on ZeRO 1-3, with fp32
+    master weights and fp32 gradient accumulation. DeepSpeed has no fp32-accumulating ZeRO-0 bf16 path, so
+    ZeRO-0 bf16 trains fp32 parameters under autocast (engine.py) and its checkpoints are fp32 ones."""
+    return precision == "bf16" and zero_stage > 0
+
+
 def _offload(device: str, nvme_path: str, pin: bool) -> dict:
     out = {"device": device, "pin_memory": pin}
     if device == "nvme":
@@ -32,7 +39,7 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
     stage), so the engine must read DeepSpeed's universal format, which the checkpoint module prepares.
     """
     t, z, o = cfg.train, cfg.zero, cfg.optim
-    precision = resolve_precision(cfg)
+    bf16_params = holds_bf16(resolve_precision(cfg), z.stage)
     offload_opt = z.offload_optimizer != "none"
     zero: dict = {"stage": z.stage}
     if z.stage > 0:
@@ -68,11 +75,9 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
                 "torch_adam": not offload_opt,
             },
         },
-        # bf16 (engine.py, "Mixed precision"): ZeRO 1-3 keep bf16 parameters with fp32 master weights and
-        # accumulate gradients in fp32; DeepSpeed has no such ZeRO-0 path, so ZeRO-0 runs fp32 under autocast.
-        "bf16": {"enabled": precision == "bf16" and z.stage > 0},
-        **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
-           if precision == "bf16" and z.stage > 0 else {}),
+        # bf16: see holds_bf16 (README, "Mixed precision").
+        "bf16": {"enabled": bf16_params},
+        **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"} if bf16_params else {}),
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,

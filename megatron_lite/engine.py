@@ -71,7 +71,7 @@ class Engine:
         forward = self.module if self._zero_backward else self.module.module
         if not self._zero_backward:
             self.module.enable_backward_allreduce = False
-        autocast = cfg.zero.stage == 0 and resolve_precision(cfg) == "bf16"
+        autocast = resolve_precision(cfg) == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
         self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
         self.tied = model.tied
         s_local = cfg.model.seq_len // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else cfg.model.seq_len
