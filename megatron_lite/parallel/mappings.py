@@ -1,9 +1,10 @@
-"""Every differentiable collective of tensor and sequence parallelism, and nothing else.
+"""Every differentiable collective of tensor, sequence and context parallelism, and nothing else.
 
 Megatron-LM (Shoeybi et al. 2019, §3) names the TP pair f (copy forward, all-reduce backward) and g
 (all-reduce forward, identity backward); sequence parallelism (Korthikanti et al. 2022, §4.2.2) replaces g
 by a reduce-scatter onto sequence shards and f by an all-gather from them, whose backward passes are each
-other. Every public wrapper says its pair in one line; each returns its input untouched on a one-rank group.
+other. Ulysses context parallelism (Jacobs et al. 2023) swaps sequence shards for head shards with an
+all-to-all, whose backward is the reverse all-to-all. Every public wrapper says its pair in one line; each returns its input untouched on a one-rank group.
 
 Layout: activations are (batch, seq, hidden), so the sequence dim is 1 and the hidden dim is -1. Buffers
 are allocated on the input's device, so everything runs on CPU (gloo) as on GPU (NCCL).
@@ -53,6 +54,29 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, moved, group=group)
     return out.movedim(0, dim).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Rank i sends its j-th chunk along scatter_dim to rank j and concatenates what it receives along
+    gather_dim, in rank order."""
+    n = _size(group)
+    assert x.shape[scatter_dim] % n == 0, f"dim {scatter_dim} of size {x.shape[scatter_dim]} does not split over {n}"
+    send = torch.stack(x.chunk(n, dim=scatter_dim))  # (n, ...): chunk j for rank j
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -164,3 +188,8 @@ def gather_from_sp(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_scatter_to_sp(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: reduce-scatter on the sequence dim; backward: all-gather on the sequence dim (SP's g)."""
     return x if group is None or _size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Forward: split scatter_dim over the ranks, gather gather_dim from them; backward: the reverse."""
+    return x if group is None or _size(group) == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)

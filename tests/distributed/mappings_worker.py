@@ -74,15 +74,23 @@ def main() -> None:
     check("reduce_scatter_to_sp fwd", y, total_x[:, r * seq:(r + 1) * seq], False)
     check("reduce_scatter_to_sp bwd", dx, torch.cat(g_seq, dim=1), True)
 
+    # Ulysses' swap: rank r sends its seq shard of hidden chunk j to rank j and gathers the whole sequence of
+    # hidden chunk r; backward sends the gradient's pieces back where they came from.
+    a2a = lambda x, group: M.all_to_all(x, group, scatter_dim=-1, gather_dim=1)  # noqa: E731
+    g_a2a = [g[..., i * hid:(i + 1) * hid] for i, g in enumerate(gs)]  # (b, seq, hid): rank i's upstream grad
+    y, dx = run_op(a2a, x_seq[r], g_a2a[r])
+    check("all_to_all fwd", y, torch.cat([x[..., r * hid:(r + 1) * hid] for x in x_seq], dim=1), True)
+    check("all_to_all bwd", dx, torch.cat([g[:, r * seq:(r + 1) * seq] for g in g_a2a], dim=-1), True)
+
     # A one-rank group is the identity in both directions and builds no autograd node.
     solo = None
     for sub in range(n):  # every rank must take part in creating every group
         g = dist.new_group([sub])
         if sub == r:
             solo = g
-    for op in (M.copy_to_tp, M.reduce_from_tp, M.gather_from_sp, M.reduce_scatter_to_sp):
+    for op in (M.copy_to_tp, M.reduce_from_tp, M.gather_from_sp, M.reduce_scatter_to_sp, a2a):
         if op(xs[r], solo) is not xs[r]:
-            sys.exit(f"{op.__name__} is not the identity on a one-rank group")
+            sys.exit(f"{getattr(op, '__name__', op)} is not the identity on a one-rank group")
     dist.barrier()
     dist.destroy_process_group()
 
