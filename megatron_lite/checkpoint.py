@@ -159,9 +159,9 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
 
 
 def same_layout(layout: dict, ctx, zero_stage: int, pipe: tuple | None) -> bool:
-    """Whether a checkpoint was written with this job's whole layout: dp, tp, pipeline and ZeRO stage."""
-    saved = (layout["world_size"], layout["dp"], layout.get("tp", 1), layout["zero_stage"])
-    return saved == (ctx.world_size, ctx.dp_size, ctx.tp_size, zero_stage) and \
+    """Whether a checkpoint was written with this job's whole layout: dp, tp, cp, pipeline and ZeRO stage."""
+    saved = (layout["world_size"], layout["dp"], layout.get("tp", 1), layout.get("cp", 1), layout["zero_stage"])
+    return saved == (ctx.world_size, ctx.dp_size, ctx.tp_size, ctx.cp_size, zero_stage) and \
         (pipe is None or saved_pipeline(layout) == pipe)
 
 
@@ -185,15 +185,18 @@ def data_stream_changes(saved_config: dict, cfg) -> list[str]:
     return out
 
 
-def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int, pipe: tuple | None = None) -> bool:
-    """A ZeRO checkpoint goes through the universal format when the DP or TP size, the stage or the pipeline
-    layout (pp, vpp, layers per virtual stage) changes. pipe: the current (pp, vpp, layers_per_stage)."""
+def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int, pipe: tuple | None = None,
+                    cp_size: int = 1) -> bool:
+    """A ZeRO checkpoint goes through the universal format when the number of ZeRO partitions (dp x cp: the
+    parameters are replicated over cp), the TP size, the stage or the pipeline layout (pp, vpp, layers per
+    virtual stage) changes. pipe: the current (pp, vpp, layers_per_stage)."""
     layout = meta.get("layout")
     if meta.get("kind") != "deepspeed" or layout["zero_stage"] == 0:
         return False
     if pipe is not None and pipe != saved_pipeline(layout):
         return True
-    return (layout["dp"], layout.get("tp", 1), layout["zero_stage"]) != (dp_size, tp_size, zero_stage)
+    saved = (layout["dp"] * layout.get("cp", 1), layout.get("tp", 1), layout["zero_stage"])
+    return saved != (dp_size * cp_size, tp_size, zero_stage)
 
 
 def saved_pipeline(layout: dict) -> tuple:
@@ -244,7 +247,7 @@ def load(engine, ctx, path: str, zero_stage: int, pipe: tuple | None = None) -> 
     """Collective: load `path` into the engine, restore this rank's RNG streams; return meta. pipe: the
     current (pp, vpp, layers per virtual stage), see current_pipeline."""
     meta = read_meta(path)
-    if needs_universal(meta, ctx.dp_size, ctx.tp_size, zero_stage, pipe):
+    if needs_universal(meta, ctx.dp_size, ctx.tp_size, zero_stage, pipe, ctx.cp_size):
         prepare_universal(path, ctx)
         engine.load(path, UNIVERSAL)
     else:

@@ -5,7 +5,7 @@ here, with its meaning in the docstring line beneath it. `validate(cfg, world_si
 can be checked before a process group or a model exists and raises `ConfigError` with one line that names
 the key as typed, the value, why it is wrong and a fix.
 
-Left out on purpose: context parallelism and expert parallelism (no config keys until they exist).
+Left out on purpose: expert parallelism (no config keys until it exists).
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ class ParallelConfig:
     """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b or interleaved."""
     pp_layers: Optional[list[int]] = None
     """Layers per virtual stage (pp * vpp entries, in virtual-stage order); None splits model.n_layers evenly."""
+    cp: int = 1
+    """Context-parallel size: each sequence is split over this many ranks (long contexts); dp = world / (tp*cp*pp)."""
+    cp_mode: str = "ring"
+    """Context-parallel attention: ring (K/V blocks passed around the cp ranks) or ulysses (all-to-all that swaps
+    sequence shards for head shards; needs cp to divide the heads and KV heads per TP rank)."""
 
 
 @dataclass
@@ -279,12 +284,13 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail("model.dropout", m.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
 
     # --- parallel layout ---
-    for key in ("tp", "pp", "vpp"):
+    for key in ("tp", "pp", "vpp", "cp"):
         if getattr(p, key) < 1:
             _fail(f"parallel.{key}", getattr(p, key), "must be >= 1", "use 1 to disable")
-    if world_size % (p.tp * p.pp):
-        _fail("parallel.tp", p.tp, f"times parallel.pp={p.pp} must divide the world size {world_size}",
-              f"pick tp*pp among {_divisors(world_size)}")
+    if world_size % (p.tp * p.cp * p.pp):
+        key, val = ("parallel.cp", p.cp) if p.cp > 1 else ("parallel.tp", p.tp)
+        _fail(key, val, f"makes tp*cp*pp={p.tp * p.cp * p.pp} (tp={p.tp}, cp={p.cp}, pp={p.pp}), which must divide the "
+              f"world size {world_size}", f"pick tp*cp*pp among {_divisors(world_size)}")
     for key, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn)):
         if val % p.tp:
             # KV heads are split, never replicated, so tp must divide them too (see parallel/tensor_parallel.py).
@@ -292,7 +298,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sp and m.seq_len % p.tp:
         _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
               "change model.seq_len or parallel.tp")
-    dp = world_size // (p.tp * p.pp)
+    _validate_context_parallel(cfg)
+    dp = world_size // (p.tp * p.cp * p.pp)
     _validate_pipeline(cfg, dp)
 
     # --- ZeRO ---
@@ -370,6 +377,31 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.kernels.backend == "triton" and not _has_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
         _fail("kernels.backend", "triton", "needs a GPU, or Triton's CPU interpreter (slow; for tests)",
               "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting")
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _choice("parallel.cp_mode", p.cp_mode, ("ring", "ulysses"))
+    if p.cp == 1:
+        return
+    # The load-balanced causal split cuts the sequence into 2*cp equal chunks; SP then splits a rank's share over tp.
+    chunks = 2 * p.cp * (p.tp if p.sp else 1)
+    if m.seq_len % chunks:
+        what = f"2*cp*tp={chunks} (with parallel.sp)" if p.sp and p.tp > 1 else f"2*cp={chunks}"
+        fit = [c for c in range(1, m.seq_len + 1) if m.seq_len % (2 * c * (p.tp if p.sp else 1)) == 0]
+        _fail("parallel.cp", p.cp, f"needs {what} to divide model.seq_len={m.seq_len} (each rank holds two of "
+              "2*cp equal chunks)", f"use parallel.cp in {fit or [1]} or change model.seq_len")
+    if p.cp_mode == "ulysses":
+        for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads)):
+            local = heads // p.tp
+            if local % p.cp:
+                fit = [c for c in range(1, local + 1) if (m.n_heads // p.tp) % c == 0 and (m.kv_heads // p.tp) % c == 0]
+                _fail("parallel.cp", p.cp, f"with parallel.cp_mode=ulysses must divide the {key.split('.')[1]} per "
+                      f"TP rank ({key}={heads} / parallel.tp={p.tp} = {local})",
+                      f"use parallel.cp in {fit}, or parallel.cp_mode=ring (any head count)")
+    if cfg.train.compile:
+        _fail("train.compile", True, f"does not work with parallel.cp={p.cp} (the attention's ring or all-to-all "
+              "would break every compiled block's graph)", "use train.compile=false or parallel.cp=1")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

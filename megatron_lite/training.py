@@ -64,7 +64,7 @@ def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
     init_distributed(cfg.dist.timeout_s)
-    ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp)
+    ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
     stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
     seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
 
@@ -75,7 +75,8 @@ def run(cfg: Config) -> dict:
     p = cfg.parallel
     pipe = checkpoint.current_pipeline(cfg)  # (pp, vpp, layers per virtual stage), compared with a checkpoint's
     layers = layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, p.pp_layers)
-    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage, pipe)
+    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage, pipe,
+                                                                ctx.cp_size)
     partition, build_dtype = None, torch.float32
     if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
         if cfg.zero.offload_param == "nvme":
@@ -124,12 +125,13 @@ def run(cfg: Config) -> dict:
                      f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
     pipeline = (f", vpp {p.vpp}, {engine.executor.schedule_name} schedule, layers per virtual stage "
                 f"{layers}" if ctx.pp_size > 1 else "")
+    context = f", cp {ctx.cp_size} ({p.cp_mode})" if ctx.cp_size > 1 else ""
     restarts = restart_count()
     if restarts:
         logger.print(f"restart {restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
                      f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})")
-    logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}, pp {ctx.pp_size}"
-                 f"{pipeline}), "
+    logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
+                 f"{ctx.pp_size}{pipeline}), "
                  f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
                  f"{resolve_backend(cfg.kernels.backend, ctx.device)}; peak {peak / 1e12:.2f} TFLOP/s per device "
                  f"({peak_source})")
@@ -137,7 +139,8 @@ def run(cfg: Config) -> dict:
     def save(step: int) -> None:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
-            "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
+            "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "cp": ctx.cp_size,
+                       "cp_mode": p.cp_mode, "pp": ctx.pp_size,
                        "vpp": p.vpp, "zero_stage": cfg.zero.stage, "precision": resolve_precision(cfg),
                        "layers_per_stage": layers},
         }

@@ -1,16 +1,24 @@
 """ParallelContext: the rank grid and every process group, built once and passed explicitly.
 
-Grid order follows Megatron: tp varies fastest, then dp, then pp, so `rank = (pp_rank * dp + dp_rank) * tp +
-tp_rank` and a TP group (the chattiest) sits inside a node. The context also offers the `mpu` interface that
-DeepSpeed expects, so ZeRO partitions over the DP group only and gradient clipping reduces norms over the
-model-parallel group.
+Grid order follows Megatron: tp varies fastest, then cp, then dp, then pp, so
+`rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank` and a TP group (the chattiest) sits inside a
+node, with the context-parallel ring next to it.
 
-Left out on purpose: context and expert parallel axes (no groups until the features exist).
+Context parallelism splits each sequence over the cp ranks of one replica: parameters are replicated over cp,
+so gradients are reduced (and ZeRO partitions its state) over dp x cp (`dp_cp_group`), while samples are split
+over dp only. The context offers the `mpu` interface that DeepSpeed expects, with its sequence-parallel hooks
+for exactly this case: DeepSpeed then partitions and reduces over dp x cp, and it sums gradients over cp
+while it averages them over dp (its Ulysses convention), which is why each cp rank's loss is its share of
+the sequence's mean, not a mean of its own (model/gpt.py, LMHead). Gradient clipping reduces norms over the
+model-parallel group (tp x pp).
+
+Left out on purpose: the expert parallel axis.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -61,10 +69,10 @@ def set_collective_timeout(seconds: int) -> None:
         c10d._set_pg_timeout(timeout, group)
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> torch.Tensor:
-    """Global ranks laid out as a (pp, dp, tp) tensor."""
-    assert world_size % (tp * pp) == 0, (world_size, tp, pp)
-    return torch.arange(world_size).view(pp, world_size // (tp * pp), tp)
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> torch.Tensor:
+    """Global ranks laid out as a (pp, dp, cp, tp) tensor."""
+    assert world_size % (tp * cp * pp) == 0, (world_size, tp, cp, pp)
+    return torch.arange(world_size).view(pp, world_size // (tp * cp * pp), cp, tp)
 
 
 def _my_group(rank: int, groups_ranks: list[list[int]]):
@@ -85,42 +93,52 @@ class ParallelContext:
     tp_size: int
     pp_size: int
     dp_size: int
+    cp_size: int
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_rank: int
     tp_group: object
     pp_group: object
     dp_group: object
+    cp_group: object  # None when cp = 1
+    dp_cp_group: object  # dp x cp: the ranks holding the same parameters (gradient reduction, ZeRO partitions)
     mp_group: object  # tp x pp: the ranks that together hold one model replica
-    embed_group: object  # first and last pipeline rank of this (dp, tp) position: the two tied-embedding copies
+    embed_group: object  # first and last pipeline rank of this (dp, cp, tp) position: the two tied-embedding copies
     device: torch.device
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1) -> "ParallelContext":
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1) -> "ParallelContext":
         """Build groups on the already-initialised default process group."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        grid = rank_grid(world, tp, pp)
-        pp_rank, dp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+        grid = rank_grid(world, tp, pp, cp)  # (pp, dp, cp, tp)
+        pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
         dp = grid.shape[1]
-        tp_groups = [grid[p, d, :].tolist() for p in range(pp) for d in range(dp)]
-        dp_groups = [grid[p, :, t].tolist() for p in range(pp) for t in range(tp)]
-        pp_groups = [grid[:, d, t].tolist() for d in range(dp) for t in range(tp)]
-        mp_groups = [grid[:, d, :].flatten().tolist() for d in range(dp)]
-        embed_groups = [[grid[0, d, t].item(), grid[-1, d, t].item()] for d in range(dp) for t in range(tp)] \
-            if pp > 1 else []
+
+        def lines(axes: str) -> list[list[int]]:
+            """Every group along `axes` (letters of "pdct"): the ranks that differ only in those coordinates."""
+            order = "pdct"
+            moved = grid.permute(*[order.index(a) for a in order if a not in axes],
+                                 *[order.index(a) for a in axes])
+            return moved.reshape(-1, math.prod(grid.shape[order.index(a)] for a in axes)).tolist()
+
+        embed_groups = [[line[0], line[-1]] for line in lines("p")] if pp > 1 else []
+        dp_group = _my_group(rank, lines("d"))
+        cp_group = _my_group(rank, lines("c")) if cp > 1 else None  # no world-size set of one-rank groups
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         return cls(
-            world_size=world, rank=rank, local_rank=local_rank, tp_size=tp, pp_size=pp, dp_size=dp,
-            tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-            tp_group=_my_group(rank, tp_groups), dp_group=_my_group(rank, dp_groups),
-            pp_group=_my_group(rank, pp_groups), mp_group=_my_group(rank, mp_groups),
+            world_size=world, rank=rank, local_rank=local_rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp,
+            tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, cp_rank=cp_rank,
+            tp_group=_my_group(rank, lines("t")), dp_group=dp_group, cp_group=cp_group,
+            dp_cp_group=_my_group(rank, lines("dc")) if cp > 1 else dp_group,
+            pp_group=_my_group(rank, lines("p")), mp_group=_my_group(rank, lines("pt")),
             embed_group=_my_group(rank, embed_groups), device=device,
         )
 
     def pp_global_rank(self, pp_rank: int) -> int:
-        """The global rank of pipeline rank `pp_rank` at this rank's (dp, tp) position."""
-        return (pp_rank * self.dp_size + self.dp_rank) * self.tp_size + self.tp_rank
+        """The global rank of pipeline rank `pp_rank` at this rank's (dp, cp, tp) position."""
+        return ((pp_rank * self.dp_size + self.dp_rank) * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
 
     @property
     def is_first(self) -> bool:
@@ -163,6 +181,26 @@ class DeepSpeedMPU:
 
     def get_tensor_model_parallel_world_size(self) -> int:
         return self.ctx.tp_size
+
+    # Context parallelism is what DeepSpeed calls sequence parallelism (Ulysses): with these hooks it partitions
+    # ZeRO state and reduces gradients over dp x cp, summing over cp and averaging over dp.
+    def get_sequence_parallel_group(self):
+        return self.ctx.cp_group
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.ctx.cp_rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.ctx.cp_size
+
+    def get_sequence_data_parallel_group(self):
+        return self.ctx.dp_cp_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.ctx.dp_rank * self.ctx.cp_size + self.ctx.cp_rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.ctx.dp_size * self.ctx.cp_size
 
     def get_pipeline_model_parallel_group(self):
         return self.ctx.pp_group

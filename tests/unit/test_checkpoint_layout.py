@@ -28,6 +28,10 @@ def test_layout_changes_convert():
     assert needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (1, 1, ()))  # pp
     assert needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (2, 1, (1, 3)))  # layer split
     assert not needs_universal(meta(zero_stage=0, pp=2, layers_per_stage=[2, 2]), 2, 1, 0, (1, 1, ()))  # ZeRO-0: never
+    # ZeRO partitions over dp x cp (parameters are replicated over cp): their number is what matters
+    assert needs_universal(meta(), 2, 1, 3, (1, 1, ()), cp_size=2)                     # dp 2 -> dp 2 x cp 2
+    assert not needs_universal(meta(), 1, 1, 3, (1, 1, ()), cp_size=2)                 # dp 2 -> dp 1 x cp 2
+    assert needs_universal(meta(dp=1, cp=2), 1, 1, 3, (1, 1, ()))                      # dp 1 x cp 2 -> dp 1
 
 
 def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_path):
@@ -51,9 +55,10 @@ def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_pat
 
 def test_rng_streams_continue_only_at_the_same_layout():
     layout = {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "vpp": 1, "zero_stage": 2, "layers_per_stage": [4]}
-    ctx = SimpleNamespace(world_size=4, dp_size=2, tp_size=2)
+    ctx = SimpleNamespace(world_size=4, dp_size=2, tp_size=2, cp_size=1)
     assert same_layout(layout, ctx, 2, (1, 1, ()))
-    assert not same_layout(layout, SimpleNamespace(world_size=4, dp_size=1, tp_size=4), 2, (1, 1, ()))  # same world
+    assert not same_layout(layout, SimpleNamespace(world_size=4, dp_size=1, tp_size=4, cp_size=1), 2, (1, 1, ()))
+    assert not same_layout(layout, SimpleNamespace(world_size=4, dp_size=1, tp_size=2, cp_size=2), 2, (1, 1, ()))
     assert not same_layout(layout, ctx, 1, (1, 1, ()))
 
 
