@@ -4,6 +4,7 @@
   reset_backward_hook_count       ZeRO expects a forward before every backward (1F1B's cool-down has none)
   zero_offload_accumulators       CPU offload expects every parameter in a step's first backward (pipelines)
   restore_group_hyperparameters   ZeRO-3 universal load copies group 0's hyperparameters and one `step` tensor
+  sum_zero3_gradients_over_cp     ZeRO-3's reduce-scatter averages over the sequence-parallel (cp) ranks
 
 Each is exercised by a test that fails without it (named in its docstring).
 """
@@ -51,6 +52,24 @@ def zero_offload_accumulators(optimizer) -> None:
     previous step's gradient. Zeroed buffers make copy and add agree (test_pipeline.py, the offload run)."""
     for buffer in getattr(optimizer, "accumulated_grads_in_cpu", {}).values():
         buffer.zero_()
+
+
+def sum_zero3_gradients_over_cp(optimizer, cp_size: int) -> None:
+    """With its sequence-parallel hooks (our cp group, parallel/context.py) DeepSpeed reduces gradients over
+    dp x cp, summing over cp and averaging over dp: ZeRO 0-2 and ZeRO-3's all-reduce path divide by
+    (dp x cp) / cp. ZeRO-3's default reduce-scatter path (`__avg_scatter_grads`, through
+    reduce_scatter_coalesced) divides by dp x cp instead, so its gradients come out cp times too small
+    (measured at cp=2: half the gradient norm). Multiply that path's partitions by cp
+    (tests/distributed/test_context_parallel.py, the ZeRO-3 trajectory)."""
+    if cp_size == 1:
+        return
+    name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"  # the private method, as Python mangles it
+    original = getattr(optimizer, name)
+
+    def avg_scatter_grads(params, communication_data_type):
+        return [partition.mul_(cp_size) for partition in original(params, communication_data_type)]
+
+    setattr(optimizer, name, avg_scatter_grads)
 
 
 def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:

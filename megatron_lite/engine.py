@@ -22,7 +22,8 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.deepspeed_config import deepspeed_config, param_groups, resolve_precision
 from megatron_lite.deepspeed_repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
-                                             restore_group_hyperparameters, zero_offload_accumulators)
+                                             restore_group_hyperparameters, sum_zero3_gradients_over_cp,
+                                             zero_offload_accumulators)
 from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
@@ -59,6 +60,8 @@ class Engine:
             mpu=ctx.mpu(),
             dist_init_required=False,
         )
+        if cfg.zero.stage == 3:
+            sum_zero3_gradients_over_cp(self.optimizer, ctx.cp_size)
         # Activations (and pipeline messages): bf16 where DeepSpeed holds bf16 parameters; under ZeRO-0's
         # autocast the residual stream stays fp32 (embeddings and norms are fp32 ops there).
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
@@ -74,7 +77,8 @@ class Engine:
         autocast = resolve_precision(cfg) == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
         self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
         self.tied = model.tied
-        s_local = cfg.model.seq_len // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else cfg.model.seq_len
+        s_local = cfg.model.seq_len // ctx.cp_size  # pipeline messages hold this rank's share of the sequence
+        s_local = s_local // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else s_local
         self.executor = PipelineExecutor(model.chunks, resolve_schedule(cfg.parallel.schedule, cfg.parallel.vpp),
                                          ctx.pp_size, ctx.pp_rank, (t.micro_batch_size, s_local, cfg.model.d_model),
                                          self.dtype, ctx.device, ctx.pp_global_rank, ctx.pp_group)
@@ -103,7 +107,7 @@ class Engine:
         if self.tied is not None:
             self._new_backward()
             self.tied.sync(self.forward)
-        # The loss, averaged over DP (and broadcast over the pipeline), and the gradient norm are the same
+        # The loss, summed over cp, averaged over DP (and broadcast over the pipeline), and the gradient norm are the same
         # numbers on every rank, so each rank reaches the same skip decision without another collective.
         loss = self.dp_mean(self._pipeline_loss(stats.loss))
         if self._zero_backward:
@@ -125,9 +129,10 @@ class Engine:
         return StepOutcome(loss, grad_norm, skipped)
 
     def dp_mean(self, value: torch.Tensor) -> float:
-        """Mean of a per-replica scalar over the data-parallel group."""
+        """Mean over the data-parallel replicas of a per-replica scalar of which each cp rank holds a share
+        (a loss: see GPT.forward): one sum over dp x cp, divided by dp."""
         value = value.detach().clone()
-        torch.distributed.all_reduce(value, group=self.ctx.dp_group)
+        torch.distributed.all_reduce(value, group=self.ctx.dp_cp_group)
         return value.item() / self.ctx.dp_size
 
     def _new_backward(self) -> None:

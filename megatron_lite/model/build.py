@@ -2,7 +2,7 @@
 
   1. GPT(cfg, tp, seed, device="meta")       every module, no memory, no random draws
   2. keep_chunks(rank_chunks(...))            drop what other pipeline ranks hold (names stay global)
-  3. parallelize(...)                         swap in TP layers, still on meta
+  3. parallelize(...), cp_parallelize(...)    swap in TP layers, split sequences over cp, still on meta
   4. materialize(...)                         per parameter: the full tensor (keyed init, or a full state dict),
                                               this rank's slice of it, cast, placed; ZeRO-3 partitions it at once
 
@@ -24,6 +24,7 @@ import torch.nn as nn
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext
+from megatron_lite.parallel.cp_parallelize import cp_parallelize
 from megatron_lite.parallel.tensor_parallel import parallelize
 from megatron_lite.pipeline.partition import rank_chunks
 
@@ -38,11 +39,12 @@ def build_model(cfg: Config, ctx: ParallelContext, *,
     model = GPT(cfg.model, tp=ctx.tp_size, seed=cfg.seed, device="meta")
     model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, p.vpp, cfg.model.n_layers, p.pp_layers))
     model = parallelize(model, ctx.tp_group, p.sp)
+    model = cp_parallelize(model, ctx.cp_group, p.cp_mode)
     return model.materialize(ctx.device, dtype=dtype, weights=weights, partition=partition)
 
 
 def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[nn.Parameter], None], torch.dtype]:
-    """(partition, dtype) for build_model under ZeRO-3: each parameter is split over the DP group as soon as it
+    """(partition, dtype) for build_model under ZeRO-3: each parameter is split over dp x cp as soon as it
     exists, exactly as DeepSpeed would split the built model in deepspeed.initialize (same deepspeed.zero.Init
     arguments, same per-parameter call), and in the dtype the engine trains in (bf16 params are rounded from
     the fp32 init, as the engine's cast does). With NVMe parameter offload, deepspeed_repairs.honour_explicit_zero3_dtype()
@@ -55,7 +57,7 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
     # module= makes Init do what DeepSpeed's ZeRO-3 setup does with a built model (it also swaps in ZeRO-3's
     # memory-efficient linear); an empty module gives it no parameter yet: they come one by one below.
-    init = deepspeed.zero.Init(module=nn.Module(), data_parallel_group=ctx.dp_group, config_dict_or_path=ds_config,
+    init = deepspeed.zero.Init(module=nn.Module(), data_parallel_group=ctx.dp_cp_group, config_dict_or_path=ds_config,
                                dtype=dtype, mpu=ctx.mpu())
 
     def partition(param: nn.Parameter) -> None:

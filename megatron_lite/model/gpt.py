@@ -33,7 +33,7 @@ Left out on purpose: KV cache / generation, attention masks other than causal, M
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from kernels import ops
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
-from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, keyed_default_rng, recompute
+from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
 from megatron_lite.pipeline.partition import ChunkSpec
 
 
@@ -98,6 +98,36 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tupl
     return angles.cos(), angles.sin()
 
 
+class WholeSequence:
+    """How a rank holds each sequence: all of it, in order. Context parallelism swaps in a shard of it
+    (parallel/cp_parallelize.py: two of 2*cp chunks) with the same four members."""
+
+    size = 1  # ranks that share one sequence
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens or labels (b, s) -> this rank's (b, s / size)."""
+        return x
+
+    def positions(self, s_local: int, device) -> torch.Tensor:
+        """Global position ids (s_local,) of this rank's tokens."""
+        return torch.arange(s_local, device=device)
+
+    def rows(self, table: torch.Tensor, s_local: int) -> torch.Tensor:
+        """The rows of a per-position table (RoPE's cos/sin) for this rank's tokens."""
+        return table[:s_local]  # a view: the tables cover model.seq_len, a sequence may be shorter
+
+
+class Rope(NamedTuple):
+    """RoPE's cos/sin tables over model.seq_len and the sequence layout that picks this rank's rows."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sequence: WholeSequence
+
+    def at(self, s_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sequence.rows(self.cos, s_local), self.sequence.rows(self.sin, s_local)  # (s_local, hd) each
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (kernels/rope.py)."""
     return ops.apply_rope(x, cos, sin, backend)
@@ -115,9 +145,13 @@ class Attention(nn.Module):
         self.rope = cfg.position == "rope"
         # This rank's TP rank when heads are split over TP (set by parallelize): part of the attention-dropout key.
         self.tp_rank: int | None = None
+        # Context parallelism (parallel/cp_parallelize.py): ring or Ulysses attention around `sdpa`, and this
+        # rank's cp rank where the attention core holds a cp-split part (Ulysses: a share of the heads).
+        self.cp_attention: Callable | None = None
+        self.cp_rank: int | None = None
         self.recompute_core = False  # train.recompute=selective: keep q, k, v; redo softmax(qk^T) v in backward
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, key: Key) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope | None, key: Key) -> torch.Tensor:
         """key: (seed, step, micro-batch, layer), completed with the site for the attention-dropout mask."""
         qkv = self.qkv(x)  # (b, s, qkv_dim); s is the full sequence even when x holds a sequence-parallel shard
         b, s, _ = qkv.shape
@@ -128,7 +162,7 @@ class Attention(nn.Module):
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, hd)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
-            cos, sin = rope[0][:s], rope[1][:s]  # the tables cover model.seq_len; this sequence may be shorter
+            cos, sin = rope.at(s)  # the rows of this rank's positions
             q, k = apply_rope(q, cos, sin, self.kernel_backend), apply_rope(k, cos, sin, self.kernel_backend)
         if self.recompute_core and torch.is_grad_enabled():
             y = recompute(self.core, q, k, v, key)
@@ -139,11 +173,18 @@ class Attention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v with causal mask and dropout: (b, heads, s, hd) for q, k, v (GQA: fewer
         k/v heads). The memory-heavy, FLOP-light part that selective recomputation drops (Korthikanti 2022).
-        SDPA draws its dropout from the default generator, which is seeded from the key for the call."""
+        Under context parallelism s is this rank's share and the causal mask is over global positions."""
+        if self.cp_attention is not None:
+            return self.cp_attention(self, q, k, v, key)
+        return self.sdpa(q, k, v, key)
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key) -> torch.Tensor:
+        """Causal attention over a whole sequence in order, by torch's SDPA (flash attention on a GPU). SDPA
+        draws its dropout from the default generator, which is seeded from the key for the call."""
         gqa = q.shape[1] != k.shape[1]
         if not self.training or self.dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        with keyed_default_rng((*key, "attn_probs"), self.tp_rank, q.device):
+        with keyed_default_rng(cp_key((*key, "attn_probs"), self.cp_rank), self.tp_rank, q.device):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout, enable_gqa=gqa)
 
 
@@ -233,6 +274,7 @@ class GPT(nn.Module):
             if cfg.position == "rope":  # values come with materialize()
                 self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
                 self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
+        self.sequence = WholeSequence()  # how this rank holds each sequence (context parallelism: a shard)
         self.recomputed_blocks: frozenset[int] = frozenset()
         self.tied = None  # pipeline/tied.TiedEmbedding when a pipeline splits the tied embedding over two stages
         # The whole model is one chunk until keep_chunks() cuts it down to a pipeline rank's share.
@@ -306,11 +348,11 @@ class GPT(nn.Module):
         """tokens (b, s) -> the first block's input (b, s, h), or (b, s/tp, h) under sequence parallelism."""
         x = self.wte(tokens, self.embedding_weight())
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.wpe(self.sequence.positions(tokens.shape[1], tokens.device))
         return self.drop(self.to_blocks(x), (*key, EMBED_LAYER, "embed"))
 
     def run_blocks(self, x: torch.Tensor, layers: range, key: Key) -> torch.Tensor:
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        rope = Rope(self.rope_cos, self.rope_sin, self.sequence) if self.cfg.position == "rope" else None
         for i in layers:
             block = self.blocks[i]
             if i in self.recomputed_blocks and torch.is_grad_enabled():
@@ -322,7 +364,8 @@ class GPT(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, rng_key: tuple[int, int] | None = None) -> torch.Tensor:
         """tokens (b, s) -> final-normed hidden states (b, s, h) of a whole (one-chunk) model."""
         key = self.dropout_key(rng_key)
-        return self.norm_f(self.run_blocks(self.embed(tokens, key), self.chunks[0].layers, key))
+        x = self.embed(self.sequence.shard(tokens), key)
+        return self.norm_f(self.run_blocks(x, self.chunks[0].layers, key))
 
     def set_kernels(self, backend: str) -> None:
         """kernels.backend after resolution: `torch` (references) or `triton` (fused kernels) in every module
@@ -354,13 +397,20 @@ class GPT(nn.Module):
         virtual stage, else the previous stage's hidden states. rng_key: (step, micro-batch index in the global
         batch), which with the seed, layer and site keys every dropout mask (None: (0, 0)). Returns the mean
         next-token cross entropy (fp32) when the chunk holds the head and labels are given, logits
-        (b, s, vocab) without labels, else hidden states for the next stage."""
+        (b, s, vocab) without labels, else hidden states for the next stage.
+
+        Under context parallelism tokens and labels are whole sequences, of which this rank keeps its shard;
+        hidden states and logits are this rank's shard, and the loss is this rank's share of the sequence's
+        mean: the sum over the cp ranks is the loss (every rank holds as many tokens)."""
         if chunk == self.TIED_WEIGHT:
             return self.wte.weight * 1.0  # a graph output, so DeepSpeed's backward hooks see the injected gradient
         spec = self.chunks[chunk]
         key = self.dropout_key(rng_key)
-        x = self.embed(inputs, key) if spec.has_embedding else inputs
+        x = self.embed(self.sequence.shard(inputs), key) if spec.has_embedding else inputs
         x = self.run_blocks(x, spec.layers, key)
         if not spec.has_head:
             return x
-        return self.head(self.norm_f(x), self.head_weight(), labels)
+        if labels is None:
+            return self.head(self.norm_f(x), self.head_weight())
+        loss = self.head(self.norm_f(x), self.head_weight(), self.sequence.shard(labels))
+        return loss / self.sequence.size if self.sequence.size > 1 else loss

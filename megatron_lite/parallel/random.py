@@ -19,6 +19,11 @@ Residual and embedding dropout draw an explicit mask (`KeyedDropout`); attention
 inside SDPA (so flash attention on a GPU keeps its fused dropout) and is keyed by reseeding the default
 generator for the call and restoring it afterwards (`keyed_default_rng`).
 
+Context parallelism: every activation is split over the cp ranks by sequence, so each cp rank's masks put its
+cp rank in the key (`cp_key`): a cp run's masks are its own, reproducible at the same cp, not the cp=1 run's.
+Ring attention keys its attention-probability masks by the global pair of sequence chunks instead
+(parallel/context_parallel.py).
+
 Recomputation passes the same key to the rerun, so it redraws the forward's masks with no RNG replay.
 Left out on purpose: masks that survive a change of micro_batch_size (the mask's shape is the micro-batch's).
 """
@@ -56,23 +61,31 @@ def keep_mask(key: Key, tp_rank: int | None, shape: torch.Size, p: float, device
     return torch.rand(shape, generator=generator, device=device) >= p
 
 
+def cp_key(key: Key, cp_rank: int | None) -> Key:
+    """The key of a mask over a context-parallel shard: cp rank r holds other positions (or, in Ulysses'
+    attention core, other heads) than rank r' does, so its masks differ; without cp the key is unchanged."""
+    return key if cp_rank is None else (*key, "cp", cp_rank)
+
+
 class KeyedDropout(nn.Module):
     """Dropout whose mask is a function of its key. `tp_rank` is set (by parallelize) when this module drops
-    elements of a TP-split activation (sequence shards under SP), None when every TP rank holds the same one."""
+    elements of a TP-split activation (sequence shards under SP), None when every TP rank holds the same one;
+    `cp_rank` likewise when context parallelism splits the sequence (parallel/cp_parallelize.py)."""
 
     def __init__(self, p: float):
         super().__init__()
         self.p = p
         self.tp_rank: int | None = None
+        self.cp_rank: int | None = None
 
     def forward(self, x: torch.Tensor, key: Key) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = keep_mask(key, self.tp_rank, x.shape, self.p, x.device)
+        keep = keep_mask(cp_key(key, self.cp_rank), self.tp_rank, x.shape, self.p, x.device)
         return x * keep / (1.0 - self.p)  # autograd keeps only the bool mask for backward
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, tp_rank={self.tp_rank}"
+        return f"p={self.p}, tp_rank={self.tp_rank}, cp_rank={self.cp_rank}"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,212 @@
+"""Attention over a sequence split across the ranks of a context-parallel group: ring and Ulysses.
+
+The split (load-balanced for causal attention): the sequence is cut into 2·cp equal chunks and cp rank r
+holds chunks r and 2cp-1-r, in that order. Under a causal mask a late chunk attends to many keys and an early
+one to few; pairing them gives every rank the same work (Megatron-Core's and Brandon et al. 2023's split).
+Positions stay global: rank r's tokens have the position ids `cp_positions`, so learned positions and RoPE
+rows are those of the whole sequence.
+
+Ring (Liu et al. 2023, "Ring Attention"): each rank keeps its queries and passes its K/V block to the next rank
+cp-1 times, so every query chunk meets every key chunk once. For a pair of chunks (query chunk i, key chunk j)
+with global indices: j < i is unmasked, j == i is causal, j > i is skipped. Each pair gives a partial output
+normalised by its own log-sum-exp; the partials merge exactly by log-sum-exp weights. The next block's
+transfer is posted before the current block's compute, so the p2p hides behind it. Backward is a ring too:
+the K/V blocks travel again with their dK/dV accumulators (fp32), which arrive home after cp steps. GQA: the
+ring carries the K/V heads as they are (the saving GQA makes), expanded to the query heads per block.
+Attention-probability dropout draws one mask per chunk pair, keyed by the pair's global indices.
+
+Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the sequence shards of every head into
+all of the sequence for cp-th of the heads; attention runs as the block's own SDPA (flash attention on a GPU);
+a second all-to-all turns it back. It needs cp to divide the local query and K/V head counts (config.py).
+
+Trade-off: Ulysses moves 4 activations of s·h/cp elements per rank per layer in all-to-alls whose volume
+does not grow with cp, and uses the fused kernel; ring moves K/V (2·s·h_kv/cp per step, cp-1 steps) in p2p
+that hides behind compute when a block is big enough, and has no head-count limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_lite.parallel.mappings import all_to_all
+from megatron_lite.parallel.random import Key, keep_mask
+
+
+def cp_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The global indices of the two chunks (of 2·cp) that cp rank `cp_rank` holds."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The global position ids of this rank's tokens of a sequence of seq_len."""
+    c = seq_len // (2 * cp_size)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in cp_chunks(cp_size, cp_rank)])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This rank's chunks of x along dim (the whole sequence)."""
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    return torch.cat([chunks[i] for i in cp_chunks(cp_size, cp_rank)], dim=dim).contiguous()
+
+
+# ---- ring ----------------------------------------------------------------------------------------------------
+
+class _Ring:
+    """Passes a tensor one rank on around the cp group: post() sends ours and receives the previous rank's,
+    wait() returns what arrived."""
+
+    def __init__(self, group):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (r + 1) % n)
+        self.prev = dist.get_global_rank(group, (r - 1) % n)
+        self.group = group
+
+    def post(self, x: torch.Tensor):
+        received = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, received, self.prev, self.group)]
+        return dist.batch_isend_irecv(ops), received, x  # x stays alive until the send is done
+
+    @staticmethod
+    def wait(pending) -> torch.Tensor:
+        requests, received, _ = pending
+        for request in requests:
+            request.wait()
+        return received
+
+
+def _pairs(cp: int, rank: int, source: int):
+    """The (query chunk, key chunk, causal) pairs this rank computes while it holds `source`'s K/V block:
+    indices 0/1 are the local halves, pairs whose key chunk comes after the query chunk are skipped."""
+    for qi, gq in enumerate(cp_chunks(cp, rank)):
+        for ki, gk in enumerate(cp_chunks(cp, source)):
+            if gk <= gq:
+                yield qi, ki, gk == gq, (gq, gk)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """fp32 q k^T · scale for one chunk pair, -inf above the diagonal when causal."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated to the query heads (GQA: query head h reads K/V head h // group)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of _expand: sum over each K/V head's query group."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, dropout_p, mask_key, tp_rank):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        ring, scale, heads = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1]
+        qs = q.chunk(2, dim=2)
+        out, lse = [None, None], [None, None]
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            source = (rank - step) % cp
+            pending = ring.post(kv) if step < cp - 1 else None  # the next block travels during this compute
+            ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
+            for qi, ki, causal, pair in _pairs(cp, rank, source):
+                s = _scores(qs[qi], ks[ki], scale, causal)
+                block_lse = s.logsumexp(-1, keepdim=True)
+                p = torch.exp(s - block_lse)
+                if dropout_p > 0:
+                    p = p * keep_mask((*mask_key, *pair), tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
+                block_out = torch.matmul(p, vs[ki].float())
+                if out[qi] is None:  # step 0 (our own block) gives every query row a finite lse
+                    out[qi], lse[qi] = block_out, block_lse
+                else:
+                    merged = torch.logaddexp(lse[qi], block_lse)
+                    out[qi] = out[qi] * torch.exp(lse[qi] - merged) + block_out * torch.exp(block_lse - merged)
+                    lse[qi] = merged
+            if pending is not None:
+                kv = ring.wait(pending)
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.group, ctx.dropout_p, ctx.mask_key, ctx.tp_rank = group, dropout_p, mask_key, tp_rank
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, dropout_p = ctx.group, ctx.dropout_p
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        ring, scale, heads, kv_heads = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
+        do = grad_out.float()
+        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O), with dropout too
+        qs, dos, lses, deltas = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+        kv, dkv_pending = torch.stack([k, v]), None
+        for step in range(cp):
+            source = (rank - step) % cp
+            kv_pending = ring.post(kv) if step < cp - 1 else None
+            ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
+            dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
+            dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
+            for qi, ki, causal, pair in _pairs(cp, rank, source):
+                p = torch.exp(_scores(qs[qi], ks[ki], scale, causal) - lses[qi])  # softmax over the whole row
+                dz = torch.matmul(dos[qi], vs[ki].float().transpose(-1, -2))
+                if dropout_p > 0:
+                    keep = keep_mask((*ctx.mask_key, *pair), ctx.tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
+                    z, dp = p * keep, dz * keep
+                else:
+                    z, dp = p, dz
+                ds = p * (dp - deltas[qi]) * scale
+                dq[qi] += torch.matmul(ds, ks[ki].float())
+                dks[ki] += torch.matmul(ds.transpose(-1, -2), qs[qi].float())
+                dvs[ki] += torch.matmul(z.transpose(-1, -2), dos[qi])
+            dkv = torch.stack([_fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)])
+            if dkv_pending is not None:  # what the ranks before us added to this block
+                dkv += ring.wait(dkv_pending)
+            dkv_pending = ring.post(dkv)  # on to the next holder; after cp steps it is home
+            if kv_pending is not None:
+                kv = ring.wait(kv_pending)
+        dk, dv = ring.wait(dkv_pending)
+        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, *, dropout_p: float = 0.0,
+                   mask_key: Key = (), tp_rank: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence's keys: q (b, heads, 2c, hd),
+    k and v (b, kv_heads, 2c, hd), each holding chunks cp_chunks(cp, rank). Dropout masks are keyed by
+    mask_key + (query chunk, key chunk) and tp_rank."""
+    return _RingAttention.apply(q, k, v, cp_group, dropout_p, tuple(mask_key), tp_rank)
+
+
+# ---- Ulysses -------------------------------------------------------------------------------------------------
+
+def _natural_order(cp: int) -> list[int]:
+    """Where each chunk of the natural order sits in the sequence gathered from the ranks (rank j's chunks
+    j and 2cp-1-j, in rank order)."""
+    gathered = [g for rank in range(cp) for g in cp_chunks(cp, rank)]
+    return [gathered.index(g) for g in range(2 * cp)]
+
+
+def _reorder(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x.view(b, h, len(order), s // len(order), d)[:, :, order].reshape(b, h, s, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, core) -> torch.Tensor:
+    """core(q, k, v) -> out, causal attention over a whole sequence in order, run on cp-th of the heads:
+    q (b, heads, 2c, hd), k and v (b, kv_heads, 2c, hd) hold this rank's chunks of every head."""
+    cp = dist.get_world_size(cp_group)
+    to_natural = _natural_order(cp)
+    to_gathered = [to_natural.index(i) for i in range(2 * cp)]
+    # (b, heads, s/cp, hd) -> (b, heads/cp, s, hd): scatter the heads, gather the sequence
+    q, k, v = (_reorder(all_to_all(x, cp_group, 1, 2), to_natural) for x in (q, k, v))
+    y = core(q, k, v)
+    return all_to_all(_reorder(y, to_gathered), cp_group, 2, 1)

@@ -1,0 +1,159 @@
+"""Context parallelism (alone, and with TP + SP) vs the serial model with the same weights: loss, logits and
+every gradient, for both modes and both model flavours; then dropout under cp: recomputation and a rerun
+reproduce the forward's masks bit for bit.
+
+Run under torchrun (gloo) on 4 ranks, one process group for every case: the grid is rebuilt per layout
+(cp=4; cp=2 with two data-parallel replicas that must agree with the serial model independently; tp=2 x cp=2
+with sequence parallelism). argv[1] = kernels backend of the parallel model (torch, or triton in Triton's
+interpreter); the serial model always runs the torch references.
+
+Each rank holds a shard of the sequence, so its gradients are partial sums: they are summed over the cp group
+(what DeepSpeed's reduction over dp x cp does, parallel/context.py) and then compared with the same TP shard of
+the serial model's gradients, as a relative error ||got - want|| / ||want|| (see TOL). The loss of a cp rank is
+its share of the sequence mean, so the loss summed over cp must equal the serial loss; each rank's logits must
+equal its shard of the serial logits. Exits non-zero naming the first mismatch; rank 0 prints the largest
+errors seen, per case, over all ranks.
+"""
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.gpt import GPT
+from megatron_lite.parallel.context import ParallelContext
+from megatron_lite.parallel.context_parallel import ring_attention, shard_sequence
+from megatron_lite.parallel.cp_parallelize import cp_parallelize
+from megatron_lite.parallel.layers import shard_segments
+from megatron_lite.parallel.random import keep_mask
+from megatron_lite.parallel.tensor_parallel import parallelize
+from tests.distributed.tp_worker import FLAVOURS, relative_error, segments_of
+
+# In fp32 the cp model only reorders additions: attention over key blocks merged by log-sum-exp (ring) or
+# reordered sequences (Ulysses), gradients summed over cp ranks, plus TP's sharded matmuls and sums where tp > 1.
+# That moves a few ulps of each norm (eps 1.2e-7); a wrong causal rule, a lost block, a missing or doubled cp
+# sum are O(1) (a doubled loss share: 1.0), a 1.01 scale 1e-2.
+TOL = 2e-5
+
+# Sequence lengths (tokens per sample): 16 gives chunks of 2 tokens at cp=4 (so the causal diagonal falls inside
+# every chunk pair on the diagonal), 8 gives one-token chunks at cp=4.
+SEQ_LENS = (16, 8)
+
+
+def check(tag: str, error: float, worst: dict, what: str) -> None:
+    worst[tag] = max(worst.get(tag, 0.0), error)
+    if not error <= TOL:
+        sys.exit(f"{tag}: relative error of {what} {error:.2e} on rank {dist.get_rank()}")
+
+
+def compare(ctx: ParallelContext, flavour: str, mode: str, backend: str, worst: dict) -> None:
+    cp, tp, sp = ctx.cp_size, ctx.tp_size, ctx.tp_size > 1
+    cfg = ModelConfig(**FLAVOURS[flavour])
+    serial = GPT(cfg, tp=tp, seed=3)
+    model = cp_parallelize(parallelize(copy.deepcopy(serial), ctx.tp_group, sp), ctx.cp_group, mode)
+    model.set_kernels(backend)
+    tag = f"{flavour} cp={cp} ({mode}) tp={tp} sp={sp} kernels={backend}"
+    for s in SEQ_LENS:
+        if s % (2 * cp * tp):
+            continue
+        serial.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, cfg.vocab_size, (2, s + 1), generator=torch.Generator().manual_seed(s))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        loss_s = serial(x, y)
+        loss_s.backward()
+        share = model(x, y)
+        share.backward()
+        loss = share.detach().clone()
+        dist.all_reduce(loss, group=ctx.cp_group)
+        check(tag, relative_error(loss, loss_s.detach()), worst, f"the loss (s={s})")
+        with torch.no_grad():
+            check(tag, relative_error(model(x), shard_sequence(serial(x), 1, cp, ctx.cp_rank)), worst,
+                  f"the logits (s={s})")
+        serial_params = dict(serial.named_parameters())
+        for name, p in model.named_parameters():
+            want = serial_params[name].grad
+            if getattr(p, "tensor_model_parallel", False):
+                want = shard_segments(want, segments_of(name, cfg, want, p.partition_dim), p.partition_dim,
+                                      ctx.tp_group)
+            if p.grad is None or p.grad.shape != want.shape:
+                sys.exit(f"{tag}: {name} has no gradient or the wrong shape")
+            got = p.grad.clone()
+            dist.all_reduce(got, group=ctx.cp_group)  # the cp ranks' partial gradients
+            check(tag, relative_error(got, want), worst, f"the gradient of {name} (s={s})")
+
+
+def dropout_reproduces(ctx: ParallelContext, mode: str, worst: dict) -> None:
+    """With dropout 0.1 at cp=2: full and selective recomputation, and a second run, give the no-recompute
+    run's loss and gradients exactly (every mask is keyed, never drawn in turn)."""
+    cfg = ModelConfig(**{**FLAVOURS["llama-gqa"], "dropout": 0.1})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for recompute in ("none", "full", "selective", "none again"):
+        model = cp_parallelize(GPT(cfg, seed=3), ctx.cp_group, mode).train()
+        model.set_recompute(recompute.split()[0])
+        loss = model(tokens[:, :-1], tokens[:, 1:], rng_key=(7, 1))
+        loss.backward()
+        runs[recompute] = [loss.detach()] + [p.grad for p in model.parameters()]
+    for recompute in ("full", "selective", "none again"):
+        for got, want in zip(runs[recompute], runs["none"]):
+            if not torch.equal(got, want):
+                sys.exit(f"dropout cp=2 ({mode}): recompute={recompute} differs from the first run")
+    undropped = cp_parallelize(GPT(cfg, seed=3), ctx.cp_group, mode).eval()(tokens[:, :-1], tokens[:, 1:])
+    if torch.equal(undropped, runs["none"][0]):
+        sys.exit(f"dropout cp=2 ({mode}): dropout changed nothing")
+    worst[f"dropout cp=2 ({mode}) recompute full/selective and rerun: bitwise"] = 0.0
+
+
+def ring_dropout_matches_masked_attention(ctx: ParallelContext, worst: dict) -> None:
+    """Ring attention with dropout against plain causal attention, by autograd, with the same masks (one per
+    pair of global chunks, parallel/context_parallel.py): output and the gradients of q, k and v (GQA)."""
+    cp, r, p = ctx.cp_size, ctx.cp_rank, 0.25
+    b, heads, kv_heads, s, hd = 2, 4, 2, 8 * cp, 8
+    g = torch.Generator().manual_seed(11)
+    q, k, v, grad = (torch.randn(b, h, s, hd, generator=g) for h in (heads, kv_heads, kv_heads, heads))
+    c, key = s // (2 * cp), (7, 1, 0, 2, "attn_probs")
+    keep = torch.cat([torch.cat([keep_mask((*key, i, j), None, (b, heads, c, c), p, q.device) for j in range(2 * cp)],
+                                dim=-1) for i in range(2 * cp)], dim=-2)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    fq, fk, fv = full[0], *(x.repeat_interleave(heads // kv_heads, dim=1) for x in full[1:])
+    scores = (fq @ fk.transpose(-1, -2) / hd ** 0.5).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -torch.inf)
+    want = (scores.softmax(-1) * keep / (1 - p)) @ fv
+    want.backward(grad)
+    local = [shard_sequence(x, 2, cp, r).requires_grad_() for x in (q, k, v)]
+    got = ring_attention(*local, ctx.cp_group, dropout_p=p, mask_key=key)
+    got.backward(shard_sequence(grad, 2, cp, r))
+    tag = f"ring attention with dropout cp={cp}: output and dq, dk, dv"
+    check(tag, relative_error(got, shard_sequence(want, 2, cp, r)), worst, "the dropped-out attention")
+    for name, x, ref in zip("qkv", local, full):
+        check(tag, relative_error(x.grad, shard_sequence(ref.grad, 2, cp, r)), worst, f"d{name}")
+
+
+def main(backend: str) -> None:
+    dist.init_process_group("gloo")
+    assert dist.get_world_size() == 4
+    worst: dict = {}
+    layouts = [dict(cp=4), dict(cp=2), dict(tp=2, cp=2)] if backend == "torch" else [dict(cp=2)]
+    for layout in layouts:
+        ctx = ParallelContext.build(**layout)
+        for flavour in FLAVOURS:
+            for mode in ("ring", "ulysses"):
+                compare(ctx, flavour, mode, backend, worst)
+        if layout == dict(cp=2) and backend == "torch":
+            for mode in ("ring", "ulysses"):
+                dropout_reproduces(ctx, mode, worst)
+        if backend == "torch" and ctx.tp_size == 1:
+            ring_dropout_matches_masked_attention(ctx, worst)
+    errors = torch.tensor(list(worst.values()), dtype=torch.float64)
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)  # each rank saw its own shards
+    if dist.get_rank() == 0:
+        for tag, error in zip(worst, errors.tolist()):
+            print(f"max relative error {tag}: {error:.2e}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "torch")
