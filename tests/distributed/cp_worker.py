@@ -29,7 +29,7 @@ from megatron_lite.parallel.cp_parallelize import cp_parallelize
 from megatron_lite.parallel.layers import shard_segments
 from megatron_lite.parallel.random import keep_mask
 from megatron_lite.parallel.tensor_parallel import parallelize
-from tests.distributed.tp_worker import FLAVOURS, relative_error, segments_of
+from tests.distributed.tp_worker import FLAVOURS, relative_error, report_and_finish, segments_of
 
 # In fp32 the cp model only reorders additions: attention over key blocks merged by log-sum-exp (ring) or
 # reordered sequences (Ulysses), gradients summed over cp ranks, plus TP's sharded matmuls and sums where tp > 1.
@@ -146,13 +146,7 @@ def main(backend: str) -> None:
                 dropout_reproduces(ctx, mode, worst)
         if backend == "torch" and ctx.tp_size == 1:
             ring_dropout_matches_masked_attention(ctx, worst)
-    errors = torch.tensor(list(worst.values()), dtype=torch.float64)
-    dist.all_reduce(errors, op=dist.ReduceOp.MAX)  # each rank saw its own shards
-    if dist.get_rank() == 0:
-        for tag, error in zip(worst, errors.tolist()):
-            print(f"max relative error {tag}: {error:.2e}")
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_finish(worst)
 
 
 if __name__ == "__main__":

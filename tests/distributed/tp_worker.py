@@ -80,19 +80,25 @@ def compare(flavour: str, sp: bool, worst: dict, backend: str) -> None:
     worst[tag + " loss, logits"] = max(loss_error, logits_error)
 
 
+def report_and_finish(worst: dict) -> None:
+    """Rank 0 prints the largest error of each case over all ranks (each rank saw its own shards); then the
+    process group ends."""
+    errors = torch.tensor(list(worst.values()), dtype=torch.float64)
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        for tag, error in zip(worst, errors.tolist()):
+            print(f"max relative error {tag}: {error:.2e}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(backend: str) -> None:
     dist.init_process_group("gloo")
     worst: dict = {}
     for flavour in FLAVOURS:
         for sp in (False, True):
             compare(flavour, sp, worst, backend)
-    errors = torch.tensor(list(worst.values()), dtype=torch.float64)
-    dist.all_reduce(errors, op=dist.ReduceOp.MAX)  # each rank saw its own shards
-    if dist.get_rank() == 0:
-        for tag, error in zip(worst, errors.tolist()):
-            print(f"max relative error {tag}: {error:.2e}")
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_finish(worst)
 
 
 if __name__ == "__main__":
