@@ -63,7 +63,7 @@ def load(overrides: list[str], world_size: int | None = None) -> Config:
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)
-    from megatron_lite.checkpoint import check_resume
+    from megatron_lite.checkpoint_resume import check_resume
 
     check_resume(cfg, world_size)
     return cfg

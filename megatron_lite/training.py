@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import resolve_backend
-from megatron_lite import checkpoint, stop
+from megatron_lite import checkpoint, checkpoint_resume, checkpoint_store, checkpoint_weights, stop
 from megatron_lite.config import Config, RunError, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
@@ -68,14 +68,14 @@ def run(cfg: Config) -> dict:
     stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
     seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
 
-    resume_path = checkpoint.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
-    meta = checkpoint.read_meta(resume_path) if resume_path else None
+    resume_path = checkpoint_resume.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
+    meta = checkpoint_store.read_meta(resume_path) if resume_path else None
 
-    weights = checkpoint.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
+    weights = checkpoint_weights.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
     p = cfg.parallel
-    pipe = checkpoint.current_pipeline(cfg)  # (pp, vpp, layers per virtual stage), compared with a checkpoint's
+    pipe = checkpoint_resume.current_pipeline(cfg)  # (pp, vpp, layers per virtual stage), compared with a checkpoint's
     layers = layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, p.pp_layers)
-    universal = meta is not None and checkpoint.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage, pipe,
+    universal = meta is not None and checkpoint_resume.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage, pipe,
                                                                 ctx.cp_size)
     partition, build_dtype = None, torch.float32
     if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
@@ -116,7 +116,7 @@ def run(cfg: Config) -> dict:
                                        fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
     if start_step:
         logger.print(f"resumed from {resume_path} at step {start_step} ({consumed} samples consumed)")
-        changes = checkpoint.data_stream_changes(meta.get("config", {}), cfg) if meta["kind"] == "deepspeed" else []
+        changes = checkpoint_resume.data_stream_changes(meta.get("config", {}), cfg) if meta["kind"] == "deepspeed" else []
         if changes:
             logger.print("warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
                          f"{start_step + 1} see other samples than the run that wrote the checkpoint would have")

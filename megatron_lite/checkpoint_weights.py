@@ -1,0 +1,87 @@
+"""Weights-only checkpoints (`meta["kind"] == "weights"`, one model.pt), written by tools/convert_hf.py, and
+the full fp32 weights of any checkpoint: a ZeRO one through DeepSpeed's conversion, a tensor- or
+pipeline-parallel one merged by the universal format. A run that resumes from weights only starts at their
+step with a fresh optimizer."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from megatron_lite import checkpoint_store as store
+from megatron_lite.checkpoint import convert_to_universal
+from megatron_lite.checkpoint_store import LATEST, META, atomic_write, read_meta, step_name
+from megatron_lite.config import ModelConfig
+
+
+def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0) -> str:
+    """Write a committed weights-only checkpoint (one process, no DeepSpeed); returns its directory."""
+    from dataclasses import asdict
+
+    tag = step_name(step)
+    path = os.path.join(ckpt_root, tag)
+    os.makedirs(path, exist_ok=True)
+    torch.save({k: v.detach().cpu().float().contiguous() for k, v in state_dict.items()},
+               os.path.join(path, "model.pt"))
+    store.fsync_tree(path)
+    meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg),
+            "manifest": store.manifest_share(path, 0, 1)}
+    atomic_write(os.path.join(path, META), json.dumps(meta, indent=1))
+    atomic_write(os.path.join(ckpt_root, LATEST), tag)
+    return path
+
+
+def _model_cfg_from_meta(meta: dict) -> ModelConfig:
+    fields = meta["model"] if meta["kind"] == "weights" else meta["config"]["model"]
+    return ModelConfig(**fields)
+
+
+def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
+    """Full fp32 weights of a tensor- or pipeline-parallel checkpoint: DeepSpeed's universal conversion merges
+    the TP shards with the split patterns saved beside them and unions the pipeline stages (parameter names
+    are global; the tied embedding's two copies are equal); vocabulary rows come back unpadded."""
+    layout = meta["layout"]
+    if layout["zero_stage"] == 0:
+        split = " x ".join(f"parallel.{k}={layout.get(k, 1)}" for k in ("tp", "pp") if layout.get(k, 1) > 1)
+        raise ValueError(f"{path} was written at {split} with zero.stage=0; merging its shards needs a ZeRO 1-3 "
+                         "checkpoint (resume it with zero.stage=1 and save again)")
+    from megatron_lite.model.gpt import padded_vocab_size
+
+    zero_dir = os.path.join(convert_to_universal(path), "zero")
+    rows = padded_vocab_size(model_cfg)
+    state = {}
+    for name in sorted(os.listdir(zero_dir)):
+        if not os.path.isdir(os.path.join(zero_dir, name)):
+            continue
+        full = torch.load(os.path.join(zero_dir, name, "fp32.pt"), weights_only=False)["param"].float()
+        if name in ("wte.weight", "lm_head.weight") and full.shape[0] < rows:
+            full = torch.cat([full, full.new_zeros(rows - full.shape[0], full.shape[1])])
+        state[name] = full
+    return state
+
+
+def load_model_state(path: str) -> tuple[ModelConfig, dict]:
+    """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
+    if os.path.isfile(os.path.join(path, LATEST)):
+        resolved = store.latest_checkpoint(path)
+        if resolved is None:
+            raise FileNotFoundError(f"{path}/latest names no complete checkpoint")
+        path = resolved
+    meta = read_meta(path)
+    model_cfg = _model_cfg_from_meta(meta)
+    if meta["kind"] == "weights":
+        # Memory-mapped: a rank that builds only its share (model/build.py) reads only the tensors it takes.
+        return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True, mmap=True)
+    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1:
+        return model_cfg, _merged_weights(path, meta, model_cfg)
+    if meta["layout"]["zero_stage"] == 0:
+        files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
+    return model_cfg, {k: v.float() for k, v in state.items()}
