@@ -13,7 +13,9 @@ normalised by its own log-sum-exp; the partials merge exactly by log-sum-exp wei
 transfer is posted before the current block's compute, so the p2p hides behind it. Backward is a ring too:
 the K/V blocks travel again with their dK/dV accumulators (fp32), which arrive home after cp steps. GQA: the
 ring carries the K/V heads as they are (the saving GQA makes), expanded to the query heads per block.
-Attention-probability dropout draws one mask per chunk pair, keyed by the pair's global indices.
+Each block is computed ROW_TILE query rows at a time, so no chunk x chunk score matrix exists, and nothing
+s-squared is kept for backward (it recomputes each block's scores from q, k and the row log-sum-exp).
+Attention-probability dropout draws one mask per tile, keyed by its chunk pair's global indices and first row.
 
 Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the sequence shards of every head into
 all of the sequence for cp-th of the heads; attention runs as the block's own SDPA (flash attention on a GPU);
@@ -78,20 +80,29 @@ class _Ring:
         return received
 
 
-def _pairs(cp: int, rank: int, source: int):
-    """The (query chunk, key chunk, causal) pairs this rank computes while it holds `source`'s K/V block:
-    indices 0/1 are the local halves, pairs whose key chunk comes after the query chunk are skipped."""
+# Query rows per block computation: the transient fp32 scores of one block are heads x ROW_TILE x chunk, not
+# heads x chunk x chunk (for a 128k sequence at cp=8, chunks of 8k tokens: 32 MiB a head instead of 256 MiB).
+ROW_TILE = 1024
+
+
+def _blocks(cp: int, rank: int, source: int, chunk: int):
+    """What this rank computes while it holds `source`'s K/V block: (query half, key half, query rows, causal,
+    the block's place), halves 0/1 being the local chunks. Key chunks after the query chunk are skipped, the
+    diagonal one is causal; each pair is cut into tiles of ROW_TILE query rows. The place (query chunk, key
+    chunk, first row) keys the block's dropout mask."""
     for qi, gq in enumerate(cp_chunks(cp, rank)):
         for ki, gk in enumerate(cp_chunks(cp, source)):
             if gk <= gq:
-                yield qi, ki, gk == gq, (gq, gk)
+                for start in range(0, chunk, ROW_TILE):
+                    yield qi, ki, slice(start, min(start + ROW_TILE, chunk)), gk == gq, (gq, gk, start)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """fp32 q k^T · scale for one chunk pair, -inf above the diagonal when causal."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
+    """fp32 q k^T · scale for query rows first_row... of a chunk against a key chunk; when causal (the same
+    chunk), -inf where the key comes after the query."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first_row), float("-inf"))
     return s
 
 
@@ -110,30 +121,28 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, dropout_p, mask_key, tp_rank):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        ring, scale, heads = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1]
+        ring, scale, heads, chunk = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], q.shape[2] // 2
         qs = q.chunk(2, dim=2)
-        out, lse = [None, None], [None, None]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
+        outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)  # views: the blocks update them in place
         kv = torch.stack([k, v])
         for step in range(cp):
             source = (rank - step) % cp
             pending = ring.post(kv) if step < cp - 1 else None  # the next block travels during this compute
             ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
-            for qi, ki, causal, pair in _pairs(cp, rank, source):
-                s = _scores(qs[qi], ks[ki], scale, causal)
-                block_lse = s.logsumexp(-1, keepdim=True)
+            for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk):
+                s = _scores(qs[qi][:, :, rows], ks[ki], scale, causal, rows.start)
+                block_lse = s.logsumexp(-1, keepdim=True)  # finite: every row sees at least its own key
                 p = torch.exp(s - block_lse)
                 if dropout_p > 0:
-                    p = p * keep_mask((*mask_key, *pair), tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
-                block_out = torch.matmul(p, vs[ki].float())
-                if out[qi] is None:  # step 0 (our own block) gives every query row a finite lse
-                    out[qi], lse[qi] = block_out, block_lse
-                else:
-                    merged = torch.logaddexp(lse[qi], block_lse)
-                    out[qi] = out[qi] * torch.exp(lse[qi] - merged) + block_out * torch.exp(block_lse - merged)
-                    lse[qi] = merged
+                    p = p * keep_mask((*mask_key, *place), tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
+                o, l = outs[qi][:, :, rows], lses[qi][:, :, rows]
+                merged = torch.logaddexp(l, block_lse)
+                o.mul_(torch.exp(l - merged)).add_(torch.matmul(p, vs[ki].float()) * torch.exp(block_lse - merged))
+                l.copy_(merged)
             if pending is not None:
                 kv = ring.wait(pending)
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.dropout_p, ctx.mask_key, ctx.tp_rank = group, dropout_p, mask_key, tp_rank
@@ -148,7 +157,8 @@ class _RingAttention(torch.autograd.Function):
         do = grad_out.float()
         delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O), with dropout too
         qs, dos, lses, deltas = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqs = dq.chunk(2, dim=2)
         kv, dkv_pending = torch.stack([k, v]), None
         for step in range(cp):
             source = (rank - step) % cp
@@ -156,18 +166,19 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
             dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
             dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-            for qi, ki, causal, pair in _pairs(cp, rank, source):
-                p = torch.exp(_scores(qs[qi], ks[ki], scale, causal) - lses[qi])  # softmax over the whole row
-                dz = torch.matmul(dos[qi], vs[ki].float().transpose(-1, -2))
+            for qi, ki, rows, causal, place in _blocks(cp, rank, source, q.shape[2] // 2):
+                q_rows, do_rows = qs[qi][:, :, rows].float(), dos[qi][:, :, rows]
+                p = torch.exp(_scores(q_rows, ks[ki], scale, causal, rows.start) - lses[qi][:, :, rows])
+                dz = torch.matmul(do_rows, vs[ki].float().transpose(-1, -2))
                 if dropout_p > 0:
-                    keep = keep_mask((*ctx.mask_key, *pair), ctx.tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
+                    keep = keep_mask((*ctx.mask_key, *place), ctx.tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
                     z, dp = p * keep, dz * keep
                 else:
                     z, dp = p, dz
-                ds = p * (dp - deltas[qi]) * scale
-                dq[qi] += torch.matmul(ds, ks[ki].float())
-                dks[ki] += torch.matmul(ds.transpose(-1, -2), qs[qi].float())
-                dvs[ki] += torch.matmul(z.transpose(-1, -2), dos[qi])
+                ds = p * (dp - deltas[qi][:, :, rows]) * scale  # softmax backward over the whole row
+                dqs[qi][:, :, rows] += torch.matmul(ds, ks[ki].float())
+                dks[ki] += torch.matmul(ds.transpose(-1, -2), q_rows)
+                dvs[ki] += torch.matmul(z.transpose(-1, -2), do_rows)
             dkv = torch.stack([_fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)])
             if dkv_pending is not None:  # what the ranks before us added to this block
                 dkv += ring.wait(dkv_pending)
@@ -175,14 +186,14 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 kv = ring.wait(kv_pending)
         dk, dv = ring.wait(dkv_pending)
-        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, *, dropout_p: float = 0.0,
                    mask_key: Key = (), tp_rank: int | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys: q (b, heads, 2c, hd),
     k and v (b, kv_heads, 2c, hd), each holding chunks cp_chunks(cp, rank). Dropout masks are keyed by
-    mask_key + (query chunk, key chunk) and tp_rank."""
+    mask_key + (query chunk, key chunk, first row of the tile) and tp_rank."""
     return _RingAttention.apply(q, k, v, cp_group, dropout_p, tuple(mask_key), tp_rank)
 
 

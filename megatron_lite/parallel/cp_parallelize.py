@@ -8,7 +8,7 @@ The model stays single-device code with three hooks that this step fills:
   attn.cp_attention     ring or Ulysses attention (parallel/context_parallel.py) around the block's own SDPA
   dropout keys          every activation is a cp shard, so residual and embedding masks put the cp rank in
                         their key; Ulysses' core holds a share of the heads, so its masks do too; ring attention
-                        keys its masks by the global pair of chunks it multiplies (parallel/random.py)
+                        keys its masks by the global pair of chunks (and the tile of query rows) it multiplies
 
 Nothing else changes: every weight is replicated over cp (DeepSpeed reduces its gradient over dp x cp, see
 parallel/context.py), norms and MLPs work token by token, and tensor and sequence parallelism apply to this
@@ -43,7 +43,7 @@ class CPSequence:
 
 class RingAttention:
     """attn.cp_attention for cp_mode=ring: K/V blocks pass around the cp group, partial outputs merge by
-    log-sum-exp; dropout masks are keyed by (step, micro-batch, layer, chunk pair), see ring_attention."""
+    log-sum-exp; dropout masks are keyed by (step, micro-batch, layer, chunk pair, tile), see ring_attention."""
 
     def __init__(self, cp_group):
         self.cp_group = cp_group

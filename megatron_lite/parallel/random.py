@@ -21,7 +21,7 @@ generator for the call and restoring it afterwards (`keyed_default_rng`).
 
 Context parallelism: every activation is split over the cp ranks by sequence, so each cp rank's masks put its
 cp rank in the key (`cp_key`): a cp run's masks are its own, reproducible at the same cp, not the cp=1 run's.
-Ring attention keys its attention-probability masks by the global pair of sequence chunks instead
+Ring attention keys its attention-probability masks by the global pair of sequence chunks (and row tile) instead
 (parallel/context_parallel.py).
 
 Recomputation passes the same key to the rerun, so it redraws the forward's masks with no RNG replay.

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext
+from megatron_lite.parallel import context_parallel
 from megatron_lite.parallel.context_parallel import ring_attention, shard_sequence
 from megatron_lite.parallel.cp_parallelize import cp_parallelize
 from megatron_lite.parallel.layers import shard_segments
@@ -114,9 +115,10 @@ def ring_dropout_matches_masked_attention(ctx: ParallelContext, worst: dict) -> 
     b, heads, kv_heads, s, hd = 2, 4, 2, 8 * cp, 8
     g = torch.Generator().manual_seed(11)
     q, k, v, grad = (torch.randn(b, h, s, hd, generator=g) for h in (heads, kv_heads, kv_heads, heads))
-    c, key = s // (2 * cp), (7, 1, 0, 2, "attn_probs")
-    keep = torch.cat([torch.cat([keep_mask((*key, i, j), None, (b, heads, c, c), p, q.device) for j in range(2 * cp)],
-                                dim=-1) for i in range(2 * cp)], dim=-2)
+    c, key, tile = s // (2 * cp), (7, 1, 0, 2, "attn_probs"), context_parallel.ROW_TILE
+    keep = torch.cat([torch.cat([keep_mask((*key, i, j, t), None, (b, heads, min(tile, c - t), c), p, q.device)
+                                 for j in range(2 * cp)], dim=-1) for i in range(2 * cp) for t in range(0, c, tile)],
+                     dim=-2)  # one mask per (query chunk, key chunk, tile of query rows)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     fq, fk, fv = full[0], *(x.repeat_interleave(heads // kv_heads, dim=1) for x in full[1:])
     scores = (fq @ fk.transpose(-1, -2) / hd ** 0.5).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -torch.inf)
@@ -132,6 +134,9 @@ def ring_dropout_matches_masked_attention(ctx: ParallelContext, worst: dict) -> 
 
 
 def main(backend: str) -> None:
+    # Tiles of 3 query rows: chunks of 4 and 8 tokens are cut into uneven tiles whose causal masks start
+    # mid-chunk, chunks of 1 and 2 tokens fit one tile (ROW_TILE is 1024 in training).
+    context_parallel.ROW_TILE = 3
     dist.init_process_group("gloo")
     assert dist.get_world_size() == 4
     worst: dict = {}
