@@ -95,12 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         return _one_line(f"config error: {err}", 2)
     import torch.distributed as dist
 
+    from megatron_lite.stalls import collective_timed_out, name_stalled
     from megatron_lite.training import run
 
     try:
         run(cfg)
     except RunError as err:
         return _one_line(f"error: {err}", 3)
+    except RuntimeError as err:  # a collective's timeout: name the rank that stalled, then end like a crash
+        if not (dist.is_initialized() and collective_timed_out(err)):
+            raise
+        reporter, message = name_stalled(grace_s=min(2 * cfg.dist.step_timeout_s, 120))
+        if dist.get_rank() == reporter:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        return 4
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import resolve_backend
-from megatron_lite import checkpoint, checkpoint_resume, checkpoint_store, checkpoint_weights, stop
+from megatron_lite import checkpoint, checkpoint_resume, checkpoint_store, checkpoint_weights, stalls, stop
 from megatron_lite.config import Config, RunError, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
@@ -180,6 +180,7 @@ def run(cfg: Config) -> dict:
             record["val_loss"] = engine.dp_mean(engine.eval_loss(val))
             record["val_ppl"] = float(np.exp(min(record["val_loss"], 50.0)))
         logger.log(step, record)
+        stalls.note_step(step)
         losses.append(loss)
         grad_norms.append(grad_norm)
         if outcome.skipped:

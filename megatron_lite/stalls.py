@@ -1,0 +1,67 @@
+"""Naming the rank that stalled when a collective times out (dist.step_timeout_s, dist.timeout_s).
+
+A timed-out collective tells a rank only that some peer did not answer. So every rank that meets the timeout
+says so in the job's key-value store (torchrun's agent serves it; under srun rank 0's process does) and waits
+a grace period for the others to say so too: all live ranks block at about the same point, so they time out
+within about one timeout of each other. The ranks that never report are the ones that hung or died. Every
+rank also notes there the last step it finished (one store write a step: a few microseconds on one host,
+one round trip to the store's host otherwise), so the message
+says where each of them stopped. If the store itself is gone (under srun, when rank 0 is the one that hung or
+died), the message says that instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch.distributed as dist
+
+_PREFIX = "megatron_lite/stalls"
+
+
+def _store():
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def note_step(step: int) -> None:
+    """Record that this rank finished `step`."""
+    _store().set(f"{_PREFIX}/step/{dist.get_rank()}", str(step))
+
+
+def collective_timed_out(err: BaseException) -> bool:
+    """Whether err is a collective's timeout (gloo: "Timed out waiting ...", NCCL's watchdog: "timeout")."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def name_stalled(grace_s: float) -> tuple[int, str]:
+    """After a collective timed out on this rank: (the live rank that should report, the message naming the
+    ranks that did not report within grace_s and the last step each finished)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = _store()
+        store.set_timeout(datetime.timedelta(seconds=10))
+        store.set(f"{_PREFIX}/alive/{rank}", str(os.getpid()))
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = [r for r in range(world) if store.check([f"{_PREFIX}/alive/{r}"])]
+            if len(alive) == world or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        stalled = [r for r in range(world) if r not in alive]
+        last = {r: store.get(f"{_PREFIX}/step/{r}").decode() if store.check([f"{_PREFIX}/step/{r}"]) else "none"
+                for r in range(world)}
+    except Exception as err:  # noqa: BLE001 - the store is what failed; say so instead of a second traceback
+        return rank, (f"a collective timed out and the job's store did not answer either ({str(err).splitlines()[0]}); "
+                      "under srun rank 0 serves it, so rank 0 is the likely one that hung or died")
+    if not stalled:
+        return min(alive), ("a collective timed out but every rank reported in: none is stuck, a step was only "
+                            "slower than the timeout; raise dist.step_timeout_s")
+    named = ", ".join(f"rank {r} (last finished step {last[r]})" for r in stalled)
+    live_steps = sorted({last[r] for r in alive})
+    return min(alive), (f"a collective timed out: {named} did not report within {grace_s:.0f} s, so it hung or "
+                        f"died; the {len(alive)} other rank(s) last finished step {'/'.join(live_steps)}")
