@@ -32,12 +32,18 @@ data/shakespeare-gpt2/meta.json:
 train: data
 	$(PY) train.py $(ARGS)
 
-# libaio lets DeepSpeed build its async I/O op, so NVMe offload is tested too (skipped, and said, without it).
+# System packages, installed when run as root with apt (otherwise what they enable is skipped, and said):
+# libaio-dev lets DeepSpeed build its async I/O op, so NVMe offload is tested too; Slurm (slurmctld, slurmd,
+# munge) runs a real two-node cluster on this machine for the tests of slurm/train.sbatch (tests/slurm).
+APT_PACKAGES := libaio-dev slurmctld slurmd slurm-client munge
+
 system-deps:
-	@dpkg -s libaio-dev >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-	  apt-get install -y -q --no-install-recommends libaio-dev >/dev/null 2>&1 || \
-	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libaio-dev >/dev/null 2>&1; } || \
-	  echo "libaio-dev could not be installed: the NVMe offload tests will be skipped"
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1; } || \
+	  echo "could not install $$missing: the NVMe offload and Slurm tests will be skipped where they need them"; \
+	elif [ -n "$$missing" ]; then echo "not installed (needs root and apt): $$missing; their tests will be skipped"; fi
 
 # test: everything. test-fast: each feature once, by its cheapest case (it skips the cases marked `slow`,
 # see pyproject.toml). Both print the 15 slowest tests.

@@ -1,0 +1,121 @@
+"""slurm/train.sbatch on a real two-node Slurm cluster (tests/slurm/cluster.py), one task per node, gloo:
+
+- a job that trains to its last step;
+- a job whose batch shell gets SIGUSR1 mid-run (what --signal=B:USR1@120 sends before the time limit): the
+  ranks checkpoint at the next step boundary and exit 0, the script requeues the job, which resumes from
+  `latest` and finishes; every step is logged exactly once;
+- a job one of whose ranks is SIGKILLed: srun ends the other, the script requeues the job (a crash), which
+  resumes from the last checkpoint and finishes; steps after that checkpoint run again.
+Every step the three jobs log has the loss of the uninterrupted job's same step (1e-6: exact resume, the same
+ranks and layout), and the checkpoints on disk are the ones the runs committed."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from megatron_lite.checkpoint_store import complete_steps, latest_checkpoint, step_name
+from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env
+
+STEPS, INTERVAL = 40, 5
+TRAIN = [f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
+         "optim.lr=3e-3", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=0", "logging.wandb.mode=disabled",
+         "train.precision=fp32", "train.eval_interval=0", "dist.step_timeout_s=60"]
+
+
+def submit(cluster, run_dir: str) -> str:
+    os.makedirs(run_dir, exist_ok=True)
+    args = ["--nodes=2", "--ntasks-per-node=1", f"--output={run_dir}/slurm.out", "--job-name=ci",
+            os.path.join(ROOT, "slurm/train.sbatch"), f"run.dir={run_dir}", *TRAIN]
+    return cluster.submit(args, cwd=ROOT, env=rank_env(PY=os.path.join(ROOT, ".venv/bin/python")))
+
+
+def logged(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for_step(run_dir: str, step: int, cluster, job: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not any(r["step"] >= step for r in logged(run_dir)):
+        assert time.time() < deadline, f"job {job} did not reach step {step}: {cluster.state(job)}"
+        time.sleep(0.2)
+
+
+def finish(cluster, job: str, run_dir: str) -> tuple[list[dict], str]:
+    cluster.wait_done(job, timeout=600)
+    clean_shared_memory()
+    with open(os.path.join(run_dir, "slurm.out")) as f:
+        out = f.read()
+    return logged(run_dir), out
+
+
+def assert_checkpoints(run_dir: str) -> None:
+    root = os.path.join(run_dir, "checkpoints")
+    assert latest_checkpoint(root) == os.path.join(root, step_name(STEPS))
+    steps = [int(os.path.basename(p)[5:]) for p in complete_steps(root)]
+    assert set(range(INTERVAL, STEPS + 1, INTERVAL)) <= set(steps), steps
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("sbatch") / "straight")
+    records, out = finish(cluster, submit(cluster, run_dir), run_dir)
+    return run_dir, records, out
+
+
+def losses_match(records: list[dict], reference: list[dict]) -> None:
+    want = {r["step"]: r["loss"] for r in reference}
+    worst = max(abs(r["loss"] - want[r["step"]]) for r in records)
+    assert worst <= 1e-6, f"a resumed step's loss differs from the uninterrupted job's by {worst:.2e}"
+
+
+def test_a_job_trains_to_its_last_step(uninterrupted):
+    run_dir, records, out = uninterrupted
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), out[-3000:]
+    assert "2 node(s) x 1 task(s)" in out and "requeueing" not in out, out[-3000:]
+    assert all(r["restarts"] == 0 for r in records)
+    assert_checkpoints(run_dir)
+
+
+@pytest.mark.slow
+def test_usr1_checkpoints_requeues_and_resumes(cluster, uninterrupted, tmp_path):
+    run_dir = str(tmp_path / "usr1")
+    job = submit(cluster, run_dir)
+    wait_for_step(run_dir, 3, cluster, job)
+    cluster.signal_batch(job, "USR1")
+    records, out = finish(cluster, job, run_dir)
+    stop = re.search(r"stop signal: saved at step (\d+)", out)
+    assert stop and "requeueing job" in out, out[-3000:]
+    # every step once, in order, across the requeue; the steps after the stop come from the requeued run
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), out[-3000:]
+    assert {r["restarts"] for r in records if r["step"] > int(stop.group(1))} == {1}
+    losses_match(records, uninterrupted[1])
+    assert_checkpoints(run_dir)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_requeued_and_resumes(cluster, uninterrupted, tmp_path):
+    run_dir = str(tmp_path / "kill")
+    job = submit(cluster, run_dir)
+    wait_for_step(run_dir, INTERVAL + 2, cluster, job)  # a checkpoint exists, and steps after it
+    ranks = subprocess.run(["pgrep", "-f", f"train.py run.dir={run_dir} "], capture_output=True, text=True).stdout.split()
+    assert ranks, "no rank found to kill"
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    records, out = finish(cluster, job, run_dir)
+    assert "requeueing job" in out, out[-3000:]
+    steps = [r["step"] for r in records]
+    resumed_at = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the first step logged again
+    first, second = steps[:resumed_at], steps[resumed_at:]
+    assert first == list(range(1, len(first) + 1)) and second == list(range(second[0], STEPS + 1)), steps
+    assert second[0] - 1 == (second[0] - 1) // INTERVAL * INTERVAL and second[0] - 1 >= INTERVAL, steps
+    assert len(first) - (second[0] - 1) <= INTERVAL, "more than checkpoint.interval steps were lost"
+    losses_match(records, uninterrupted[1])
+    assert_checkpoints(run_dir)
