@@ -7,6 +7,9 @@ accumulation or DP averaging factor) leaves the losses unchanged to 5e-7; the gr
 Losses are compared in absolute terms (their scale, ~ln(vocab), is the same in every test), gradient norms
 relative to the reference (their size depends on the model and the step)."""
 
+import json
+import os
+
 # 8 sequences per step: accumulation 4 at dp=1, 2 at dp=2, 1 at dp=4 (same global batch every time).
 BASE = [
     "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
@@ -43,3 +46,14 @@ def assert_same_hf_export(tmp_path, names: tuple[str, str], tol: float) -> None:
     for key, value in models[0].items():
         gap = (value - models[1][key]).abs().max().item()
         assert gap <= tol, f"{key} differs by {gap:.2e}"
+
+
+def logged_records(run_dir: str) -> list[dict]:
+    """The records in run_dir/metrics.jsonl so far (none before the first step; a half-written last line of a
+    run still going is left out)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]  # the text after the last newline is partial

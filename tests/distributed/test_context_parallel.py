@@ -13,14 +13,13 @@ gradient norm within 1e-4 (relative) of the single process; cross-rank sums only
 Checkpoints: an exact resume at the same cp (1e-6) and a resume at another cp through the elastic load (1e-4).
 """
 
-import json
 import os
 import subprocess
 
 import pytest
 
 from megatron_lite.checkpoint_store import step_name
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import logged_records, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
 from tests.distributed.test_resume import STEPS8, assert_continues
 
@@ -56,11 +55,6 @@ def reference(tmp_path_factory):
     return result, tmp
 
 
-def metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def assert_follows(result: dict, reference: dict, what: str) -> None:
     gap = max_abs_diff(result["losses"], reference["losses"])
     assert gap <= TOL, f"{what}: max |loss - single| = {gap:.2e}"
@@ -92,8 +86,8 @@ def test_context_parallel_training_follows_single_process(slow, reference, tmp_p
     for name, result in zip(names, results):
         assert_follows(result, single, name)
     if not slow:  # validation loss: each cp rank's share, summed over cp
-        want = [r["val_loss"] for r in metrics(f"{single_tmp}/single") if "val_loss" in r]
-        got = [r["val_loss"] for r in metrics(f"{tmp_path}/cp4_ring_zero1") if "val_loss" in r]
+        want = [r["val_loss"] for r in logged_records(f"{single_tmp}/single") if "val_loss" in r]
+        got = [r["val_loss"] for r in logged_records(f"{tmp_path}/cp4_ring_zero1") if "val_loss" in r]
         assert len(got) == 2 and max_abs_diff(got, want) <= TOL, (got, want)
 
 

@@ -11,7 +11,6 @@ checkpoint.interval steps; every logged step's loss and grad norm equal the unin
 step number (exact resume: 1e-6).
 """
 
-import json
 import os
 import random
 import signal
@@ -22,19 +21,11 @@ import time
 import pytest
 
 from megatron_lite.parallel.context import free_port
-from tests.distributed.common import overrides
+from tests.distributed.common import logged_records, overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs
 
 INTERVAL = 3
 RUN = ["train.steps=24", f"checkpoint.interval={INTERVAL}", "optim.decay=constant"]
-
-
-def records(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def test_three_kills_in_a_row_restart_and_resume_every_time(tmp_path):
@@ -45,8 +36,8 @@ def test_three_kills_in_a_row_restart_and_resume_every_time(tmp_path):
     proc = subprocess.Popen(cmd, env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(3):
-            target = len(records(run_dir)) + rng.randint(2, 5)
-            while len(records(run_dir)) < target:
+            target = len(logged_records(run_dir)) + rng.randint(2, 5)
+            while len(logged_records(run_dir)) < target:
                 assert proc.poll() is None, proc.communicate()[1][-3000:]
                 time.sleep(0.02)
             time.sleep(rng.random() * 0.2)  # anywhere in a step, or in a checkpoint write
@@ -58,7 +49,7 @@ def test_three_kills_in_a_row_restart_and_resume_every_time(tmp_path):
         clean_shared_memory()
     assert proc.returncode == 0, err[-3000:]
 
-    got = records(run_dir)
+    got = logged_records(run_dir)
     steps = [(r["restarts"], r["step"]) for r in got]
     assert steps[-1] == (3, 24), steps
     for (prev_attempt, prev_step), (attempt, step) in zip(steps, steps[1:]):
@@ -100,7 +91,7 @@ def lose_node(agent: subprocess.Popen) -> None:
 
 
 def wait_for_records(run_dir: str, n: int, agents: list) -> None:
-    while len(records(run_dir)) < n:
+    while len(logged_records(run_dir)) < n:
         for agent in agents:
             assert agent.poll() is None, agent.communicate()[1][-3000:]
         time.sleep(0.05)
@@ -140,7 +131,7 @@ def test_a_lost_node_resumes_on_fewer_ranks(tmp_path, straight_two_ranks):
         clean_shared_memory()
     assert first.returncode == 0, err[-3000:]
     assert "world 1 (dp 1" in out and "world 2 (dp 2" in out, out[-3000:]
-    got = records(run_dir)
+    got = logged_records(run_dir)
     steps = [(r["restarts"], r["step"]) for r in got]
     resumed = next(i for i in range(1, len(steps)) if steps[i][0] != steps[i - 1][0])
     assert [s for _, s in steps[:resumed]] == list(range(1, resumed + 1)), steps
@@ -172,7 +163,7 @@ def test_an_added_node_resumes_on_more_ranks(tmp_path, straight_two_ranks):
     assert first.returncode == 0 and second.returncode == 0, err[-3000:]
     stop = int(out.split("stop signal: saved at step ")[1].split(";")[0])
     assert "world 1 (dp 1" in out and "world 2 (dp 2" in out, out[-3000:]
-    got = records(run_dir)
+    got = logged_records(run_dir)
     assert [r["step"] for r in got] == list(range(1, 19)), [r["step"] for r in got]  # every step once
     assert stop < 18
     follows(got, straight_two_ranks)

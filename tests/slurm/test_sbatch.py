@@ -9,7 +9,6 @@
 Every step the three jobs log has the loss of the uninterrupted job's same step (1e-6: exact resume, the same
 ranks and layout), and the checkpoints on disk are the ones the runs committed."""
 
-import json
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ import time
 import pytest
 
 from megatron_lite.checkpoint_store import complete_steps, latest_checkpoint, step_name
+from tests.distributed.common import logged_records
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env
 
 STEPS, INTERVAL = 40, 5
@@ -34,17 +34,9 @@ def submit(cluster, run_dir: str) -> str:
     return cluster.submit(args, cwd=ROOT, env=rank_env(PY=os.path.join(ROOT, ".venv/bin/python")))
 
 
-def logged(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def wait_for_step(run_dir: str, step: int, cluster, job: str, timeout: float = 300) -> None:
     deadline = time.time() + timeout
-    while not any(r["step"] >= step for r in logged(run_dir)):
+    while not any(r["step"] >= step for r in logged_records(run_dir)):
         assert time.time() < deadline, f"job {job} did not reach step {step}: {cluster.state(job)}"
         time.sleep(0.2)
 
@@ -54,7 +46,7 @@ def finish(cluster, job: str, run_dir: str) -> tuple[list[dict], str]:
     clean_shared_memory()
     with open(os.path.join(run_dir, "slurm.out")) as f:
         out = f.read()
-    return logged(run_dir), out
+    return logged_records(run_dir), out
 
 
 def assert_checkpoints(run_dir: str) -> None:
