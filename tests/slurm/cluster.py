@@ -41,7 +41,7 @@ ReturnToService=2
 MailProg=/bin/true
 MinJobAge=10
 SlurmdParameters=config_overrides
-NodeName=127.0.0.[1-2] NodeHostname=localhost Port=[{node_ports}] CPUs=4 RealMemory=4000 State=UNKNOWN
+{node_lines}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -59,13 +59,16 @@ def unavailable() -> str | None:
 
 
 class Cluster:
-    def __init__(self, scratch: str, ctld_port: int = 16817, node_port: int = 17011):
+    def __init__(self, scratch: str):
+        from megatron_lite.parallel.context import free_port
+
         self.dir = scratch
         self.conf = os.path.join(scratch, "slurm.conf")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
         self.pid_files = [os.path.join(scratch, "munge", "munged.pid"), os.path.join(scratch, "slurmctld.pid"),
                           *(os.path.join(scratch, f"slurmd-{node}.pid") for node in NODES)]
-        self.ports = ctld_port, f"{node_port}-{node_port + len(NODES) - 1}"
+        # free ports, not Slurm's defaults: another cluster on this machine (a second test run) keeps its own
+        self.ctld_port, self.node_ports = free_port(), [free_port() for _ in NODES]
 
     def start(self) -> None:
         d = self.dir
@@ -73,7 +76,9 @@ class Cluster:
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         shutil.chown(os.path.join(d, "munge"), "munge", "munge")
         with open(self.conf, "w") as f:
-            f.write(CONF.format(d=d, ctld_port=self.ports[0], node_ports=self.ports[1]))
+            f.write(CONF.format(d=d, ctld_port=self.ctld_port, node_lines="\n".join(
+                f"NodeName={node} NodeHostname=localhost Port={port} CPUs=4 RealMemory=4000 State=UNKNOWN"
+                for node, port in zip(NODES, self.node_ports))))
         munge = os.path.join(d, "munge")
         self._run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={munge}/munge.socket.2",
                    f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from megatron_lite.checkpoint_store import complete_steps, latest_checkpoint, step_name
+from megatron_lite.parallel.context import free_port
 from tests.distributed.common import logged_records
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env
 
@@ -31,7 +32,9 @@ def submit(cluster, run_dir: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     args = ["--nodes=2", "--ntasks-per-node=1", f"--output={run_dir}/slurm.out", "--job-name=ci",
             os.path.join(ROOT, "slurm/train.sbatch"), f"run.dir={run_dir}", *TRAIN]
-    return cluster.submit(args, cwd=ROOT, env=rank_env(PY=os.path.join(ROOT, ".venv/bin/python")))
+    # a free rendezvous port rather than the script's job-id default: job ids restart at 1 in every test cluster
+    env = rank_env(PY=os.path.join(ROOT, ".venv/bin/python"), MASTER_PORT=str(free_port()))
+    return cluster.submit(args, cwd=ROOT, env=env)
 
 
 def wait_for_step(run_dir: str, step: int, cluster, job: str, timeout: float = 300) -> None:
