@@ -80,17 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: train.py [key=value ...]   e.g. model=gpt2-124m zero.stage=2 train.steps=100\n"
-              "       train.py --cfg [key=value ...]   print the composed config and exit")
+              "       train.py --cfg [key=value ...]   print the composed config and exit\n"
+              "       train.py --check [key=value ...]   validate it for WORLD_SIZE ranks and exit (0, or 2)")
         return 0
-    show = argv[:1] == ["--cfg"]
+    mode = argv[0] if argv[:1] in (["--cfg"], ["--check"]) else None
     try:
-        cfg = load(argv[1:] if show else argv)
-        if show:
+        cfg = load(argv[1:] if mode else argv)
+        if mode == "--cfg":
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
         from megatron_lite.deepspeed_config import check_offload_support
 
         check_offload_support(cfg)
+        if mode == "--check":
+            return 0
     except ConfigError as err:
         return _one_line(f"config error: {err}", 2)
     import torch.distributed as dist

@@ -1,7 +1,7 @@
 """A real two-node Slurm cluster on this machine (Debian's slurmctld + two slurmd, munge), for the tests of
 slurm/train.sbatch. The facts it relies on are measured in ../shared/SLURM_CI.md: node names that are IP
 addresses (127.0.0.1, 127.0.0.2) so the first node's name is a rendezvous address, multiple slurmd on one
-host, cred_expire=10 so a requeued job starts again within seconds. Everything lives in one scratch
+host, cred_expire=10 and a 2 s scheduling loop so a requeued job starts again within seconds. Everything lives in one scratch
 directory; every daemon is started here and stopped by the pid in its pid file."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=2
+SchedulerParameters=bf_interval=2,sched_interval=2
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
@@ -141,3 +141,7 @@ class Cluster:
     def signal_batch(self, job: str, sig: str) -> None:
         """Send sig to the job's batch shell only (what --signal=B:USR1@N does near the time limit)."""
         subprocess.run(["scancel", "-b", f"--signal={sig}", job], env=self.env, check=True, timeout=30)
+
+    def cancel(self, job: str) -> None:
+        """What a user's `scancel JOB` does: SIGTERM to every step and the batch shell, then Slurm ends the job."""
+        subprocess.run(["scancel", job], env=self.env, check=True, timeout=30)

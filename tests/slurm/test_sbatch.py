@@ -5,7 +5,9 @@
   ranks checkpoint at the next step boundary and exit 0, the script requeues the job, which resumes from
   `latest` and finishes; every step is logged exactly once;
 - a job one of whose ranks is SIGKILLed: srun ends the other, the script requeues the job (a crash), which
-  resumes from the last checkpoint and finishes; steps after that checkpoint run again.
+  resumes from the last checkpoint and finishes; steps after that checkpoint run again;
+- a job cancelled with `scancel`: the ranks checkpoint and stop, and the job stays cancelled (no requeue);
+- a job with a configuration error: refused in the batch shell with the one-line error, exit 2, no requeue.
 Every step the three jobs log has the loss of the uninterrupted job's same step (1e-6: exact resume, the same
 ranks and layout), and the checkpoints on disk are the ones the runs committed."""
 
@@ -28,10 +30,10 @@ TRAIN = [f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch
          "train.precision=fp32", "train.eval_interval=0", "dist.step_timeout_s=60"]
 
 
-def submit(cluster, run_dir: str) -> str:
+def submit(cluster, run_dir: str, *overrides: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     args = ["--nodes=2", "--ntasks-per-node=1", f"--output={run_dir}/slurm.out", "--job-name=ci",
-            os.path.join(ROOT, "slurm/train.sbatch"), f"run.dir={run_dir}", *TRAIN]
+            os.path.join(ROOT, "slurm/train.sbatch"), f"run.dir={run_dir}", *TRAIN, *overrides]
     # a free rendezvous port rather than the script's job-id default: job ids restart at 1 in every test cluster
     env = rank_env(PY=os.path.join(ROOT, ".venv/bin/python"), MASTER_PORT=str(free_port()))
     return cluster.submit(args, cwd=ROOT, env=env)
@@ -114,3 +116,30 @@ def test_a_killed_rank_is_requeued_and_resumes(cluster, uninterrupted, tmp_path)
     assert len(first) - (second[0] - 1) <= INTERVAL, "more than checkpoint.interval steps were lost"
     losses_match(records, uninterrupted[1])
     assert_checkpoints(run_dir)
+
+
+def test_a_config_error_ends_the_job_in_one_line_without_requeue(cluster, tmp_path):
+    run_dir = str(tmp_path / "bad")
+    job = submit(cluster, run_dir, "parallel.tp=3")  # 3 does not divide the 2 ranks
+    records, out = finish(cluster, job, run_dir)
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert errors == ["config error: parallel.tp=3 makes tp*cp*pp=3 (tp=3, cp=1, pp=1), which must divide the "
+                      "world size 2; pick tp*cp*pp among 1 or 2"], out[-3000:]
+    assert "requeueing" not in out and "Traceback" not in out and not records, out[-3000:]
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
+
+
+@pytest.mark.slow
+def test_scancel_checkpoints_and_ends_the_job_for_good(cluster, uninterrupted, tmp_path):
+    run_dir = str(tmp_path / "scancel")
+    job = submit(cluster, run_dir)
+    wait_for_step(run_dir, 3, cluster, job)
+    cluster.cancel(job)
+    records, out = finish(cluster, job, run_dir)
+    stop = re.search(r"stop signal: saved at step (\d+)", out)
+    assert stop and "not requeued" in out and "requeueing" not in out, out[-3000:]
+    stopped = int(stop.group(1))
+    assert stopped < STEPS and [r["step"] for r in records] == list(range(1, stopped + 1)), out[-3000:]
+    root = os.path.join(run_dir, "checkpoints")
+    assert latest_checkpoint(root) == os.path.join(root, step_name(stopped))
+    losses_match(records, uninterrupted[1])

@@ -116,6 +116,21 @@ def test_train_py_exits_2_with_one_line_and_no_traceback():
     assert lines[0].startswith("config error: train.global_batch_size=6")
 
 
+def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_path):
+    """`train.py --check`, what slurm/train.sbatch runs once before srun: 0 for a config that fits WORLD_SIZE,
+    2 with the one line otherwise; no run directory, no process group either way."""
+    def check(*overrides):
+        env = dict(os.environ, WORLD_SIZE="2")
+        env.pop("RANK", None)  # the batch shell is no rank
+        return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--check", f"run.dir={tmp_path}/run",
+                               *overrides], env=env, capture_output=True, text=True)
+
+    good, bad = check("parallel.tp=2"), check("parallel.tp=4")
+    assert good.returncode == 0 and good.stdout == "" and "error" not in good.stderr, good.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("config error: parallel.tp=4 makes tp*cp*pp=4"), bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "run")
+
+
 def test_nvme_offload_without_async_io_is_refused_in_one_line(data_dir, monkeypatch):
     """A machine without libaio (simulated: `make test` installs it, so the real op builds in CI)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
