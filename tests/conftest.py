@@ -4,5 +4,16 @@ is first imported (DeepSpeed imports it too), so it is set here, ahead of every 
 import os
 import shutil
 
+import pytest
+
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_scratch():
+    """Remove the TMPDIR this session gave its subprocesses (tests/distributed/launcher.py) when it ends."""
+    yield
+    from tests.distributed.launcher import SCRATCH
+
+    shutil.rmtree(SCRATCH, ignore_errors=True)

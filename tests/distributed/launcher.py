@@ -2,23 +2,47 @@
 
 from __future__ import annotations
 
+import getpass
 import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from megatron_lite.parallel.context import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "distributed", "worker.py")
+# The TMPDIR of every process this test session starts (torchrun's torchelastic_* dirs land here), so the
+# cleanup below never touches another run's; removed at the end of the session (tests/conftest.py).
+SCRATCH = os.path.join(tempfile.gettempdir(), f"megatron_lite_tests_{os.getpid()}")
+
+
+def _mapped_shared_memory() -> set[str]:
+    """/dev/shm files some live process has mapped: DeepSpeed buffers of a run still going (this one's or not)."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[5] for line in f if "/dev/shm/deepspeed_" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+    return mapped
 
 
 def clean_shared_memory() -> None:
-    """DeepSpeed's CPU comm buffers and torchrun's scratch dirs must not pile up between tests."""
-    for path in glob.glob("/dev/shm/deepspeed_*") + glob.glob("/tmp/torchelastic_*"):
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    """DeepSpeed's CPU comm buffers left by ended runs and this session's torchrun dirs must not pile up."""
+    in_use = _mapped_shared_memory()
+    for path in glob.glob("/dev/shm/deepspeed_*"):
+        if path not in in_use:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                continue
+    for path in glob.glob(os.path.join(SCRATCH, "torchelastic_*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def torchrun_cmd(nproc: int, script: str, *args: str, max_restarts: int = 0) -> list[str]:
@@ -27,8 +51,11 @@ def torchrun_cmd(nproc: int, script: str, *args: str, max_restarts: int = 0) -> 
 
 
 def rank_env(**extra: str) -> dict:
+    os.makedirs(SCRATCH, mode=0o755, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", WANDB_SILENT="true",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, TMPDIR=SCRATCH)
+    # compiled kernels are cached where they would be without the TMPDIR above, for the next session
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     env.update(extra)
     return env
 
