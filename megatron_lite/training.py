@@ -176,7 +176,8 @@ def run(cfg: Config) -> dict:
         if bubble is not None:
             record["bubble"] = bubble
         if val_set is not None and step % cfg.train.eval_interval == 0:
-            val = val_batches(val_set, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size, cfg.train.eval_iters)
+            t = cfg.train
+            val = val_batches(val_set, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
             record["val_loss"] = engine.dp_mean(engine.eval_loss(val))
             record["val_ppl"] = float(np.exp(min(record["val_loss"], 50.0)))
         logger.log(step, record)

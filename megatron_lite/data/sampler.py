@@ -58,10 +58,14 @@ class MicroBatches:
         return batches
 
 
-def val_batches(dataset, micro_batch_size: int, dp_rank: int, dp_size: int, n_iters: int) -> list[torch.Tensor]:
-    """A fixed validation set: micro-batch k of rank r holds samples (k*dp + r)*micro ... (mod len)."""
-    return [_stack(dataset, [((k * dp_size + dp_rank) * micro_batch_size + m) % len(dataset)
-                             for m in range(micro_batch_size)]) for k in range(n_iters)]
+def val_batches(dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                n_iters: int) -> list[torch.Tensor]:
+    """A fixed validation set of n_iters global batches, dealt over DP ranks as a training step is: micro-batch
+    j of iteration k on rank r holds samples k*G + (j*dp + r)*micro ... (mod len). The set is the same
+    n_iters*G samples at every layout, so val_loss keeps its meaning across an elastic resize."""
+    accum = global_batch_size // (micro_batch_size * dp_size)
+    return [_stack(dataset, [(k * global_batch_size + (j * dp_size + dp_rank) * micro_batch_size + m) % len(dataset)
+                             for m in range(micro_batch_size)]) for k in range(n_iters) for j in range(accum)]
 
 
 def _stack(dataset, indices: list[int]) -> torch.Tensor:

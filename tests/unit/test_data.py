@@ -171,10 +171,18 @@ def test_epochs_reshuffle_and_seeds_differ():
     assert global_sample_index(1, 10, 3) == e0[3]  # a pure function: asking again, out of order, agrees
 
 
-def test_val_batches_are_fixed_and_split_over_ranks():
-    ds = Identity(10)
-    whole = torch.cat(val_batches(ds, 2, 0, 1, 4)).flatten().tolist()
-    parts = [val_batches(ds, 2, r, 2, 2) for r in range(2)]
-    merged = [s for k in range(2) for r in range(2) for s in parts[r][k].flatten().tolist()]
-    assert merged == whole == list(range(8))
-    assert torch.cat(val_batches(ds, 4, 0, 1, 3)).flatten().tolist() == [*range(10), 0, 1]  # wraps modulo len
+def test_val_batches_are_the_same_samples_at_every_dp_size():
+    """An iteration is one global batch, dealt over dp like a training step: the set (and so val_loss) does not
+    depend on dp or the micro-batch size; micro-batch j of rank r matches the training stream's layout."""
+    ds = Identity(40)
+    whole = torch.cat(val_batches(ds, 8, 2, 0, 1, 3)).flatten().tolist()
+    assert whole == list(range(24))
+    for micro, dp in ((2, 2), (4, 2), (1, 4), (2, 4), (8, 1)):
+        parts = [val_batches(ds, 8, micro, r, dp, 3) for r in range(dp)]
+        accum = 8 // (micro * dp)
+        assert all(len(p) == 3 * accum and all(len(b) == micro for b in p) for p in parts)
+        # micro-batch j of iteration k on rank r: samples k*8 + (j*dp + r)*micro ...
+        merged = [s for k in range(3) for j in range(accum) for r in range(dp)
+                  for s in parts[r][k * accum + j].flatten().tolist()]
+        assert merged == whole, (micro, dp)
+    assert torch.cat(val_batches(Identity(10), 4, 4, 0, 1, 3)).flatten().tolist() == [*range(10), 0, 1]  # wraps
