@@ -13,9 +13,15 @@ normalised by its own log-sum-exp; the partials merge exactly by log-sum-exp wei
 transfer is posted before the current block's compute, so the p2p hides behind it. Backward is a ring too:
 the K/V blocks travel again with their dK/dV accumulators (fp32), which arrive home after cp steps. GQA: the
 ring carries the K/V heads as they are (the saving GQA makes), expanded to the query heads per block.
-Each block is computed ROW_TILE query rows at a time, so no chunk x chunk score matrix exists, and nothing
-s-squared is kept for backward (it recomputes each block's scores from q, k and the row log-sum-exp).
-Attention-probability dropout draws one mask per tile, keyed by its chunk pair's global indices and first row.
+A block (a pair of chunks) is computed by one of two kernels; neither makes a chunk x chunk score matrix,
+and nothing s-squared is kept for backward (it recomputes each block's scores from q, k and the row
+log-sum-exp):
+  fused     on CPU without dropout: torch's flash-attention kernel for CPU, which returns the block's
+            log-sum-exp, and its backward called with the merged output and log-sum-exp, which gives exactly
+            the block's share of dq, dk and dv (the softmax backward needs only those two row quantities)
+  explicit  otherwise: fp32 matmuls and softmax, ROW_TILE query rows at a time. Attention-probability
+            dropout draws one mask per tile, keyed by its chunk pair's global indices and first row. (On a
+            GPU this is the path; a fused CUDA block kernel returning the log-sum-exp is a follow-up.)
 
 Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the sequence shards of every head into
 all of the sequence for cp-th of the heads; attention runs as the block's own SDPA (flash attention on a GPU);
@@ -80,21 +86,42 @@ class _Ring:
         return received
 
 
-# Query rows per block computation: the transient fp32 scores of one block are heads x ROW_TILE x chunk, not
-# heads x chunk x chunk (for a 128k sequence at cp=8, chunks of 8k tokens: 32 MiB a head instead of 256 MiB).
+# Query rows per explicit block computation: the transient fp32 scores of one block are heads x ROW_TILE x
+# chunk, not heads x chunk x chunk (for a 128k sequence at cp=8, chunks of 8k tokens: 32 MiB a head, not 256).
 ROW_TILE = 1024
 
+# Use the fused CPU kernel for blocks without dropout (tests turn it off to check the explicit path alone).
+FUSED_CPU_BLOCKS = True
 
-def _blocks(cp: int, rank: int, source: int, chunk: int):
+
+def _uses_fused_blocks(q: torch.Tensor, dropout_p: float) -> bool:
+    return FUSED_CPU_BLOCKS and dropout_p == 0 and q.device.type == "cpu"
+
+
+def _blocks(cp: int, rank: int, source: int, chunk: int, tiled: bool):
     """What this rank computes while it holds `source`'s K/V block: (query half, key half, query rows, causal,
     the block's place), halves 0/1 being the local chunks. Key chunks after the query chunk are skipped, the
-    diagonal one is causal; each pair is cut into tiles of ROW_TILE query rows. The place (query chunk, key
-    chunk, first row) keys the block's dropout mask."""
+    diagonal one is causal; tiled cuts each pair into tiles of ROW_TILE query rows. The place (query chunk,
+    key chunk, first row) keys the block's dropout mask."""
+    step = ROW_TILE if tiled else chunk
     for qi, gq in enumerate(cp_chunks(cp, rank)):
         for ki, gk in enumerate(cp_chunks(cp, source)):
             if gk <= gq:
-                for start in range(0, chunk, ROW_TILE):
-                    yield qi, ki, slice(start, min(start + ROW_TILE, chunk)), gk == gq, (gq, gk, start)
+                for start in range(0, chunk, step):
+                    yield qi, ki, slice(start, min(start + step, chunk)), gk == gq, (gq, gk, start)
+
+
+def _fused_forward(q, k, v, causal: bool, scale: float):
+    """One block by torch's CPU flash kernel in fp32: (output, log-sum-exp with a trailing unit dim)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float(), k.float(), v.float(), 0.0, causal, scale=scale)
+    return out, lse.unsqueeze(-1)
+
+
+def _fused_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """The block's dq, dk, dv given the merged output and log-sum-exp of its query rows (fp32)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q.float(), k.float(), v.float(), out, lse.squeeze(-1), 0.0, causal, scale=scale)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
@@ -104,6 +131,34 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_
     if causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first_row), float("-inf"))
     return s
+
+
+def _keep(mask_key: Key, place, tp_rank, rows: slice, like: torch.Tensor, chunk: int,
+          dropout_p: float) -> torch.Tensor | None:
+    """The scaled dropout keep-mask of a tile (query rows x chunk keys of every head of `like`), None without
+    dropout."""
+    if dropout_p == 0:
+        return None
+    shape = (*like.shape[:2], rows.stop - rows.start, chunk)
+    return keep_mask((*mask_key, *place), tp_rank, shape, dropout_p, like.device) / (1 - dropout_p)
+
+
+def _explicit_forward(q, k, v, causal: bool, first_row: int, scale: float, keep):
+    """One tile of a block in fp32: (output, log-sum-exp with a trailing unit dim)."""
+    s = _scores(q, k, scale, causal, first_row)
+    lse = s.logsumexp(-1, keepdim=True)  # finite: every row sees at least its own key
+    p = torch.exp(s - lse)
+    return torch.matmul(p if keep is None else p * keep, v.float()), lse
+
+
+def _explicit_backward(do, q, k, v, lse, delta, causal: bool, first_row: int, scale: float, keep):
+    """One tile's dq, dk, dv (fp32) from the merged row log-sum-exp and delta = rowsum(dO ∘ O)."""
+    q = q.float()
+    p = torch.exp(_scores(q, k, scale, causal, first_row) - lse)
+    dz = torch.matmul(do, v.float().transpose(-1, -2))
+    z, dp = (p, dz) if keep is None else (p * keep, dz * keep)
+    ds = p * (dp - delta) * scale  # softmax backward over the whole row
+    return torch.matmul(ds, k.float()), torch.matmul(ds.transpose(-1, -2), q), torch.matmul(z.transpose(-1, -2), do)
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -126,26 +181,27 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
         outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)  # views: the blocks update them in place
-        kv = torch.stack([k, v])
+        kv, fused = torch.stack([k, v]), _uses_fused_blocks(q, dropout_p)
         for step in range(cp):
             source = (rank - step) % cp
             pending = ring.post(kv) if step < cp - 1 else None  # the next block travels during this compute
             ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
-            for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk):
-                s = _scores(qs[qi][:, :, rows], ks[ki], scale, causal, rows.start)
-                block_lse = s.logsumexp(-1, keepdim=True)  # finite: every row sees at least its own key
-                p = torch.exp(s - block_lse)
-                if dropout_p > 0:
-                    p = p * keep_mask((*mask_key, *place), tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
+            for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=not fused):
+                if fused:
+                    block_out, block_lse = _fused_forward(qs[qi], ks[ki], vs[ki], causal, scale)
+                else:
+                    keep = _keep(mask_key, place, tp_rank, rows, q, chunk, dropout_p)
+                    block_out, block_lse = _explicit_forward(qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start,
+                                                             scale, keep)
                 o, l = outs[qi][:, :, rows], lses[qi][:, :, rows]
                 merged = torch.logaddexp(l, block_lse)
-                o.mul_(torch.exp(l - merged)).add_(torch.matmul(p, vs[ki].float()) * torch.exp(block_lse - merged))
+                o.mul_(torch.exp(l - merged)).add_(block_out * torch.exp(block_lse - merged))
                 l.copy_(merged)
             if pending is not None:
                 kv = ring.wait(pending)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.group, ctx.dropout_p, ctx.mask_key, ctx.tp_rank = group, dropout_p, mask_key, tp_rank
+        ctx.group, ctx.dropout_p, ctx.mask_key, ctx.tp_rank, ctx.fused = group, dropout_p, mask_key, tp_rank, fused
         return result
 
     @staticmethod
@@ -154,9 +210,10 @@ class _RingAttention(torch.autograd.Function):
         group, dropout_p = ctx.group, ctx.dropout_p
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         ring, scale, heads, kv_heads = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
-        do = grad_out.float()
+        chunk, do = q.shape[2] // 2, grad_out.float()
         delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O), with dropout too
         qs, dos, lses, deltas = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        outs = out.float().chunk(2, dim=2)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = dq.chunk(2, dim=2)
         kv, dkv_pending = torch.stack([k, v]), None
@@ -166,19 +223,16 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
             dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
             dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-            for qi, ki, rows, causal, place in _blocks(cp, rank, source, q.shape[2] // 2):
-                q_rows, do_rows = qs[qi][:, :, rows].float(), dos[qi][:, :, rows]
-                p = torch.exp(_scores(q_rows, ks[ki], scale, causal, rows.start) - lses[qi][:, :, rows])
-                dz = torch.matmul(do_rows, vs[ki].float().transpose(-1, -2))
-                if dropout_p > 0:
-                    keep = keep_mask((*ctx.mask_key, *place), ctx.tp_rank, p.shape, dropout_p, p.device) / (1 - dropout_p)
-                    z, dp = p * keep, dz * keep
+            for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=not ctx.fused):
+                if ctx.fused:
+                    grads = _fused_backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], causal, scale)
                 else:
-                    z, dp = p, dz
-                ds = p * (dp - deltas[qi][:, :, rows]) * scale  # softmax backward over the whole row
-                dqs[qi][:, :, rows] += torch.matmul(ds, ks[ki].float())
-                dks[ki] += torch.matmul(ds.transpose(-1, -2), q_rows)
-                dvs[ki] += torch.matmul(z.transpose(-1, -2), do_rows)
+                    keep = _keep(ctx.mask_key, place, ctx.tp_rank, rows, q, chunk, dropout_p)
+                    grads = _explicit_backward(dos[qi][:, :, rows], qs[qi][:, :, rows], ks[ki], vs[ki],
+                                               lses[qi][:, :, rows], deltas[qi][:, :, rows], causal, rows.start,
+                                               scale, keep)
+                for acc, grad in zip((dqs[qi][:, :, rows], dks[ki], dvs[ki]), grads):
+                    acc += grad
             dkv = torch.stack([_fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)])
             if dkv_pending is not None:  # what the ranks before us added to this block
                 dkv += ring.wait(dkv_pending)

@@ -108,10 +108,13 @@ def dropout_reproduces(ctx: ParallelContext, mode: str, worst: dict) -> None:
     worst[f"dropout cp=2 ({mode}) recompute full/selective and rerun: bitwise"] = 0.0
 
 
-def ring_dropout_matches_masked_attention(ctx: ParallelContext, worst: dict) -> None:
-    """Ring attention with dropout against plain causal attention, by autograd, with the same masks (one per
-    pair of global chunks, parallel/context_parallel.py): output and the gradients of q, k and v (GQA)."""
-    cp, r, p = ctx.cp_size, ctx.cp_rank, 0.25
+def ring_matches_masked_attention(ctx: ParallelContext, worst: dict, p: float, fused: bool) -> None:
+    """Ring attention against plain causal attention, by autograd, with the same dropout masks (one per
+    pair of global chunks and tile, parallel/context_parallel.py): output and the gradients of q, k and v
+    (GQA). Without dropout both block kernels (fused: torch's CPU flash kernel; explicit) are checked; with
+    dropout the explicit one runs whatever FUSED_CPU_BLOCKS says."""
+    cp, r = ctx.cp_size, ctx.cp_rank
+    context_parallel.FUSED_CPU_BLOCKS = fused
     b, heads, kv_heads, s, hd = 2, 4, 2, 8 * cp, 8
     g = torch.Generator().manual_seed(11)
     q, k, v, grad = (torch.randn(b, h, s, hd, generator=g) for h in (heads, kv_heads, kv_heads, heads))
@@ -125,9 +128,15 @@ def ring_dropout_matches_masked_attention(ctx: ParallelContext, worst: dict) -> 
     want = (scores.softmax(-1) * keep / (1 - p)) @ fv
     want.backward(grad)
     local = [shard_sequence(x, 2, cp, r).requires_grad_() for x in (q, k, v)]
+    calls, fused_forward = [], context_parallel._fused_forward
+    context_parallel._fused_forward = lambda *args: calls.append(1) or fused_forward(*args)
     got = ring_attention(*local, ctx.cp_group, dropout_p=p, mask_key=key)
     got.backward(shard_sequence(grad, 2, cp, r))
-    tag = f"ring attention with dropout cp={cp}: output and dq, dk, dv"
+    context_parallel.FUSED_CPU_BLOCKS, context_parallel._fused_forward = True, fused_forward
+    kernel = "explicit" if p > 0 or not fused else "fused"
+    if bool(calls) != (kernel == "fused"):
+        sys.exit(f"ring attention dropout={p} FUSED_CPU_BLOCKS={fused}: the fused kernel ran {len(calls)} times")
+    tag = f"ring attention cp={cp} dropout={p} ({kernel} blocks): output and dq, dk, dv"
     check(tag, relative_error(got, shard_sequence(want, 2, cp, r)), worst, "the dropped-out attention")
     for name, x, ref in zip("qkv", local, full):
         check(tag, relative_error(x.grad, shard_sequence(ref.grad, 2, cp, r)), worst, f"d{name}")
@@ -150,7 +159,8 @@ def main(backend: str) -> None:
             for mode in ("ring", "ulysses"):
                 dropout_reproduces(ctx, mode, worst)
         if backend == "torch" and ctx.tp_size == 1:
-            ring_dropout_matches_masked_attention(ctx, worst)
+            for p, fused in ((0.0, True), (0.0, False), (0.25, True)):
+                ring_matches_masked_attention(ctx, worst, p, fused)
     report_and_finish(worst)
 
 

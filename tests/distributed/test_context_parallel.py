@@ -4,8 +4,9 @@ Model level (tests/distributed/cp_worker.py, 4 gloo ranks): cp in {2, 4} x {ring
 Llama style with GQA}, and tp=2 x cp=2 with sequence parallelism: the loss summed over cp, each rank's logits
 and every gradient (summed over cp) equal the serial model's within a relative error of 2e-5 (measured below,
 in the worker's output); sequences of 16 and 8 tokens, so chunks of 2 and of 1 token at cp=4 and the causal
-boundary inside every diagonal chunk pair. With dropout, full and selective recomputation and a rerun give the
-same loss and gradients bit for bit.
+boundary inside every diagonal chunk pair (ring blocks by the fused CPU kernel there). Ring attention alone
+against masked causal attention, with each block kernel (fused, explicit) and with dropout. With dropout, full
+and selective recomputation and a rerun give the same loss and gradients bit for bit.
 
 Training (trajectories over 6 steps, as tests/distributed/test_zero.py): the per-step loss within 1e-4 and the
 gradient norm within 1e-4 (relative) of the single process; cross-rank sums only reorder additions.
@@ -37,8 +38,9 @@ def run_worker(backend: str, env: dict) -> str:
 
 def test_context_parallel_matches_serial_model():
     out = run_worker("torch", {})
-    # 3 layouts x 2 flavours x 2 modes, the two dropout cases, ring dropout against masked attention at cp 4, 2
-    assert out.count("max relative error") == 16, out
+    # 3 layouts x 2 flavours x 2 modes, the two dropout cases, and at cp 4 and 2 ring attention against masked
+    # attention three ways: fused and explicit blocks without dropout, explicit blocks with dropout
+    assert out.count("max relative error") == 20, out
 
 
 @pytest.mark.slow
