@@ -28,7 +28,7 @@ all of the sequence for cp-th of the heads; attention runs as the block's own SD
 a second all-to-all turns it back. It needs cp to divide the local query and K/V head counts (config.py).
 
 Trade-off: Ulysses moves 4 activations of s·h/cp elements per rank per layer in all-to-alls whose volume
-does not grow with cp, and uses the fused kernel; ring moves K/V (2·s·h_kv/cp per step, cp-1 steps) in p2p
+does not grow with cp, and uses SDPA (flash attention on a GPU); ring moves K/V (2·s·h_kv/cp per step, cp-1 steps) in p2p
 that hides behind compute when a block is big enough, and has no head-count limit.
 """
 
