@@ -28,8 +28,8 @@ all of the sequence for cp-th of the heads; attention runs as the block's own SD
 a second all-to-all turns it back. It needs cp to divide the local query and K/V head counts (config.py).
 
 Trade-off: Ulysses moves 4 activations of s·h/cp elements per rank per layer in all-to-alls whose volume
-does not grow with cp, and uses SDPA (flash attention on a GPU); ring moves K/V (2·s·h_kv/cp per step, cp-1 steps) in p2p
-that hides behind compute when a block is big enough, and has no head-count limit.
+does not grow with cp, and uses SDPA (flash attention on a GPU); ring moves K/V (2·s·h_kv/cp per step, cp-1
+steps) in p2p that hides behind compute when a block is big enough, and has no head-count limit.
 """
 
 from __future__ import annotations
@@ -211,9 +211,11 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         ring, scale, heads, kv_heads = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
         chunk, do = q.shape[2] // 2, grad_out.float()
-        delta = (do * out.float()).sum(-1, keepdim=True)  # rowsum(dO ∘ O), with dropout too
-        qs, dos, lses, deltas = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        outs = out.float().chunk(2, dim=2)
+        qs, dos, lses = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2)
+        if ctx.fused:  # the kernel takes the merged output and derives rowsum(dO ∘ O) itself
+            outs = out.float().chunk(2, dim=2)
+        else:  # rowsum(dO ∘ O), with dropout too
+            deltas = (do * out.float()).sum(-1, keepdim=True).chunk(2, dim=2)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = dq.chunk(2, dim=2)
         kv, dkv_pending = torch.stack([k, v]), None
