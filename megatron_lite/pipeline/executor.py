@@ -112,25 +112,10 @@ class PipelineExecutor:
                 mb, k = step.microbatch, step.chunk
                 spec = self.chunks[k]
                 if step.kind == "F":
-                    out = self._forward(forward, spec, micro_batches[mb], inbox.pop(("act", mb, k), None), train,
-                                        inputs, mb, rng_keys[mb] if rng_keys is not None else None)
-                    if spec.has_head:
-                        losses.append(out.detach().float())
-                        if train:
-                            outputs[(mb, k)] = out / n_micro
-                    else:
-                        outbox[("act", mb, k)] = out.detach()
-                        if train:
-                            outputs[(mb, k)] = out
+                    self._run_forward(forward, spec, mb, n_micro, micro_batches[mb], train, inputs, outputs, inbox,
+                                      outbox, losses, rng_keys[mb] if rng_keys is not None else None)
                 else:
-                    out = outputs.pop((mb, k))
-                    grad = None if spec.has_head else inbox.pop(("grad", mb, k))
-                    if before_backward is not None:
-                        before_backward()
-                    _backward(out, grad)
-                    x = inputs.pop((mb, k), None)
-                    if x is not None:
-                        outbox[("grad", mb, k)] = x.grad
+                    self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
                 t1 = time.perf_counter()
                 stats.busy_s += t1 - t0
                 kept = sum(o.untyped_storage().nbytes() for o in outputs.values())
@@ -154,6 +139,35 @@ class PipelineExecutor:
                 x.requires_grad_()
                 inputs[(mb, spec.chunk)] = x
         return forward(x, labels, chunk=spec.chunk, rng_key=rng_key)
+
+    def _run_forward(self, forward, spec: ChunkSpec, mb: int, n_micro: int, batch, train: bool, inputs, outputs,
+                     inbox, outbox, losses: list, rng_key) -> None:
+        """Forward of chunk `spec` for micro-batch mb: the loss kept (scaled 1/m) on the last stage, else the
+        output queued for its send. A method of its own so that no local keeps the output's graph (and through
+        it the chunk's received input) alive after the backward has run (see _run_backward)."""
+        out = self._forward(forward, spec, batch, inbox.pop(("act", mb, spec.chunk), None), train, inputs, mb, rng_key)
+        if spec.has_head:
+            losses.append(out.detach().float())
+            if train:
+                outputs[(mb, spec.chunk)] = out / n_micro
+        else:
+            outbox[("act", mb, spec.chunk)] = out.detach()
+            if train:
+                outputs[(mb, spec.chunk)] = out
+
+    @staticmethod
+    def _run_backward(mb: int, spec: ChunkSpec, outputs, inbox, inputs, outbox, before_backward) -> None:
+        """Backward of chunk `spec` for micro-batch mb; its input's gradient goes to the outbox. A method of its
+        own so that the output, the received gradient and the input are let go on return (held in the loop's
+        locals, they kept one more activation alive through the next forward)."""
+        out = outputs.pop((mb, spec.chunk))
+        grad = None if spec.has_head else inbox.pop(("grad", mb, spec.chunk))
+        if before_backward is not None:
+            before_backward()
+        _backward(out, grad)
+        x = inputs.pop((mb, spec.chunk), None)
+        if x is not None:
+            outbox[("grad", mb, spec.chunk)] = x.grad
 
     def _exchange(self, comm: Comm, inbox: dict, outbox: dict, outputs: dict) -> float:
         """Post every op of one Comm step together and wait for all; return the seconds spent waiting. A sent
