@@ -1,0 +1,130 @@
+"""The devices and the network the planner predicts for: a table of GPUs and a cluster built from them.
+
+Every figure in GPUS is a datasheet figure (NVIDIA's "A100 / H100 / H200 / DGX B200" datasheets), dense (no
+2:4 sparsity) bf16 tensor-core peaks, HBM capacity and bandwidth, NVLink bandwidth per direction per GPU, and
+the network a DGX/HGX node of that GPU ships with (one NIC per GPU):
+
+  gpu         memory    bf16 dense    HBM        NVLink / direction    node network (8 NICs)
+  a100-40gb   40 GiB    312 TFLOP/s   1555 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
+  a100-80gb   80 GiB    312 TFLOP/s   2039 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
+  h100-sxm    80 GiB    989 TFLOP/s   3350 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  h200        141 GB    989 TFLOP/s   4800 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  b200        180 GB    2250 TFLOP/s  8000 GB/s  900 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+
+Collectives are costed as NCCL runs them on such a machine (Thakur et al. 2005 for the formulas; NCCL's docs
+for "bus bandwidth"): a group of n ranks moving B bytes takes
+
+  all-reduce       min(ring: 2(n-1)/n * B / bw + 2(n-1) * lat,   tree: 2 B / bw + 2 log2(n) * lat)
+  all-gather, reduce-scatter, all-to-all:   (n-1)/n * B / bw + (n-1) * lat     (B: the whole tensor)
+  send/recv        B / bw + lat
+
+where bw is the group's bus bandwidth: NVLink within a node; across nodes, each GPU's share of the node's
+network times the group's members on one node (every member drives its own NIC, and the other groups of the
+same axis, running at the same time, drive the others), capped by NVLink. lat is 5 us within a node and
+10 us across nodes (NCCL's measured small-message latencies are of that order). Ranks are laid out tp fastest,
+then cp, dp, pp (parallel/context.py), so a group of n ranks with stride `stride` spans n * stride ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bf16_flops: float     # dense tensor-core peak, FLOP/s
+    hbm_GBps: float       # memory bandwidth, GB/s
+    nvlink_GBps: float    # NVLink bandwidth per direction per GPU, GB/s
+    node_net_GBps: float  # the node's inter-node network, all NICs together, GB/s
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200),
+    GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200),
+    GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400),
+    GPU("h200", 141 * 10**9, 989e12, 4800, 450, 400),
+    GPU("b200", 180 * 10**9, 2250e12, 8000, 900, 400),
+)}
+
+# torch.cuda.get_device_name fragments -> table entry, most specific first (for cluster.gpu=auto)
+DEVICE_NAMES = ((("A100", "40GB"), "a100-40gb"), (("A100",), "a100-80gb"), (("H200",), "h200"),
+                (("GH200",), "h200"), (("H100",), "h100-sxm"), (("B200",), "b200"))
+
+INTRA_LATENCY_S = 5e-6
+INTER_LATENCY_S = 10e-6
+
+
+@dataclass(frozen=True)
+class Link:
+    """The bus bandwidth (bytes/s) and per-hop latency (s) one group's collective sees."""
+
+    bandwidth: float
+    latency: float
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        ring = 2 * (n - 1) / n * nbytes / self.bandwidth + 2 * (n - 1) * self.latency
+        tree = 2 * nbytes / self.bandwidth + 2 * math.log2(n) * self.latency
+        return min(ring, tree)
+
+    def gather(self, nbytes: float, n: int) -> float:
+        """all-gather, reduce-scatter or all-to-all of a tensor of nbytes in all (the gathered size)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
+
+    def p2p(self, nbytes: float) -> float:
+        return nbytes / self.bandwidth + self.latency if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    gpus_per_node: int
+    nodes: int
+    intra_node_GBps: float
+    inter_node_GBps: float
+    achievable: float  # the fraction of bf16 peak a large GEMM-bound layer sustains (see plan/timing.py)
+    reserve_bytes: int  # per GPU, not available to tensors: CUDA context, NCCL buffers, allocator slack
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.gpu.memory_bytes - self.reserve_bytes
+
+    def link(self, size: int, stride: int) -> Link:
+        """The link of a group of `size` ranks `stride` apart in the rank order."""
+        intra = self.intra_node_GBps * 1e9
+        if size * stride <= self.gpus_per_node:
+            return Link(intra, INTRA_LATENCY_S)
+        per_node = max(1, self.gpus_per_node // stride) if stride < self.gpus_per_node else 1
+        per_gpu = self.inter_node_GBps * 1e9 / self.gpus_per_node
+        return Link(min(intra, per_gpu * per_node), INTER_LATENCY_S)
+
+
+def gpu_named(name: str) -> GPU:
+    """A GPUS entry; `auto` is this machine's CUDA device when the table knows it, else h100-sxm."""
+    if name == "auto":
+        name = local_gpu() or "h100-sxm"
+    return GPUS[name]
+
+
+def local_gpu() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.get_device_name()
+    for fragments, name in DEVICE_NAMES:
+        if all(f in device for f in fragments):
+            return name
+    return None

@@ -1,0 +1,132 @@
+"""Predicted peak memory of every rank of a layout: states (plan/states.py) plus activations held at once
+(plan/activations.py, times what the schedule keeps in flight, plan/schedule_memory.py), or the optimizer step.
+
+A rank's peak is the larger of two moments:
+  forward/backward  persistent states + gradients allocated so far in the step + the activations of every
+                    micro-batch its chunks hold + the transient of the backward running then (the cross entropy's
+                    fp32 buffers on the last stage, a layer's gradient buffers or a recomputed layer elsewhere,
+                    ZeRO-2/3's reduce buffers)
+  optimizer step    persistent states + the step's gradients + the step's temporaries
+Ranks that differ only in their tp, cp or dp coordinate hold the same bytes (DeepSpeed pads every partition to
+the same size), so one rank per pipeline stage is priced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.pipeline.partition import rank_chunks
+from megatron_lite.plan import activations as A
+from megatron_lite.plan.layout import Layout
+from megatron_lite.plan.params import padded_vocab, rank_params
+from megatron_lite.plan.schedule_memory import most_held, peak_activations
+from megatron_lite.plan.states import zero_states
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    pp_rank: int
+    params: int       # DeepSpeed's parameter buffers
+    grads: int        # gradient buffers kept between steps
+    optimizer: int    # master weights, moments, step counters
+    buffers: int      # reduce bucket, tied-embedding accumulator, RoPE tables, scalars
+    activations: int  # at the peak: activations held plus the running backward's transient
+    step_grads: int   # at the peak: gradient buffers allocated within the step
+    step: int         # at the peak: the optimizer step's temporaries (0 unless the peak is the step)
+    host: int         # offloaded states in CPU memory (not counted in the peak)
+    host_optimizer: int  # of host: master weights and moments
+    host_params: int  # of host: ZeRO-3 parameter partitions
+    held: int         # the most activation bytes kept for backward at once (what autograd saves)
+    phase: str        # "backward", "forward" or "optimizer step": where the peak is
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    @property
+    def peak(self) -> int:
+        return self.states + self.activations + self.step_grads + self.step
+
+
+def micro_shape(cfg: ModelConfig, lay: Layout, precision: str, cuda: bool) -> A.MicroShape:
+    bf16 = precision == "bf16"
+    autocast = bf16 and lay.zero_stage == 0  # ZeRO-0 bf16 trains fp32 parameters under autocast (engine.py)
+    act = 2 if bf16 else 4
+    res = 4 if autocast or not bf16 else 2
+    return A.MicroShape(b=lay.micro_batch_size, s=cfg.seq_len // lay.cp, tp=lay.tp, sp=lay.sp, cp=lay.cp,
+                        cp_mode=lay.cp_mode, flash=cuda or cfg.dropout == 0, act=act, res=res, autocast=autocast,
+                        dropout=cfg.dropout > 0, stats=4 if cuda else res)
+
+
+def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "bf16", cuda: bool = True) -> RankMemory:
+    """Predicted bytes of pipeline rank `pp_rank` (every tp/cp/dp rank of it alike)."""
+    pp_layers = list(lay.pp_layers) if lay.pp_layers else None
+    params = rank_params(cfg, lay.tp, lay.pp, lay.vpp, pp_rank, pp_layers)
+    bf16 = precision == "bf16"
+    st = zero_states(params, lay.dp * lay.cp, lay.zero_stage, bf16, lay.offload_optimizer != "none",
+                     lay.offload_param != "none", cuda)
+    chunks = rank_chunks(pp_rank, lay.pp, lay.vpp, cfg.n_layers, pp_layers)
+    first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
+    x = micro_shape(cfg, lay, precision, cuda)
+
+    buffers = st.buffers + (4 if last else 0)  # the executor keeps the step's last loss (engine.last_stats)
+    if cfg.position == "rope":
+        buffers += 2 * cfg.seq_len * cfg.head_dim * 4  # cos/sin tables
+    wte = padded_vocab(cfg, lay.tp) // lay.tp * cfg.d_model
+    tied_copy = lay.pp > 1 and cfg.tie_embeddings and (first or last)
+    if tied_copy:
+        buffers += 4 * wte  # pipeline/tied.py's fp32 gradient accumulator
+
+    recomputed = set(range(0, cfg.n_layers, lay.recompute_every)) if lay.recompute == "full" else set()
+    kept_mode = "selective" if lay.recompute == "selective" else "none"
+    full_layer = A.layer_bytes(cfg, x, kept_mode)
+    per_micro, loss_t, grad_t, grads = [], [], [], []
+    total_params = sum(p.numel for p in params) or 1
+    for spec in chunks:
+        held = sum(A.layer_bytes(cfg, x, "full" if i in recomputed else kept_mode) for i in spec.layers)
+        layer_t = A.layer_backward_transient(cfg, x) if spec.layers else 0
+        if recomputed & set(spec.layers):  # the rerun rebuilds one layer's activations during its backward
+            layer_t += full_layer
+        released = 0
+        if spec.has_embedding:
+            held += A.embedding_saved(cfg, x)
+        if spec.has_head:  # the loss's backward comes first; parameter gradients once its buffers are gone
+            released = A.head_saved(cfg, x)
+            held += released
+            loss_t.append(A.head_backward_transient(cfg, x))
+        else:
+            loss_t.append(0)
+        chunk_params = sum(p.numel for p in params if _in_chunk(p.name, spec))
+        if x.autocast:  # bf16 copies of the weights the chunk multiplied, kept per micro-batch in flight
+            held += 2 * chunk_params
+        per_micro.append(held)
+        grad_t.append(layer_t + st.backward - released)
+        grads.append(st.step_grads * chunk_params // total_params)
+    acts_and_grads, moment = peak_activations(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro,
+                                              loss_t, grad_t, grads, st.bucket_held)
+    acts_and_grads += st.step_held
+    step_grads = sum(g for done, g in zip(moment.grads, grads) if done)
+    # the tied embedding's sync (an extra backward of the weight) comes before the step, not during it
+    step_phase = st.step_grads + st.bucket_held + max(st.step, wte * (2 if bf16 else 4) if tied_copy else 0)
+    common = dict(pp_rank=pp_rank, params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=buffers,
+                  host=st.host, host_optimizer=st.host_optimizer, host_params=st.host_params, held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro))
+    if step_phase > acts_and_grads:
+        return RankMemory(**common, activations=0, step_grads=st.step_grads + st.bucket_held,
+                          step=step_phase - st.step_grads - st.bucket_held, phase="optimizer step")
+    return RankMemory(**common, activations=acts_and_grads - step_grads, step_grads=step_grads, step=0,
+                      phase="backward" if moment.backward is not None else "forward")
+
+
+def _in_chunk(name: str, spec) -> bool:
+    """Whether a parameter (by global name) belongs to a chunk: its block, or the embedding / head it holds."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) in spec.layers
+    if name.startswith(("wte.", "wpe.")):
+        return spec.has_embedding or (spec.has_head and name.startswith("wte."))
+    return spec.has_head
+
+
+def layout_memory(cfg: ModelConfig, lay: Layout, precision: str = "bf16", cuda: bool = True) -> list[RankMemory]:
+    """Every pipeline rank's prediction."""
+    return [rank_memory(cfg, lay, r, precision, cuda) for r in range(lay.pp)]

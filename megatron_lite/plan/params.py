@@ -1,0 +1,88 @@
+"""The parameters one rank holds, in the order its model registers them: a pure function of the model shape
+and the layout, equal to what model/build.py materialises (tests/unit/test_plan.py builds the model on the meta
+device and compares name by name).
+
+Tensor parallelism splits qkv and fc_in by output rows, proj and fc_out by input columns, the embedding and an
+untied head by (padded) vocabulary rows; norms, the position embedding and row-parallel biases are whole on
+every TP rank. A pipeline rank holds its chunks' blocks, the embedding on virtual stage 0, the final norm and
+the head on the last one; a tied head on its own stage keeps a copy of the embedding (pipeline/tied.py).
+Context parallelism replicates every parameter. AdamW's two groups follow deepspeed_config.param_groups:
+matrices decay, vectors do not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.pipeline.partition import rank_chunks
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    decay: bool  # a matrix (AdamW weight decay), else a vector
+
+
+def padded_vocab(cfg: ModelConfig, tp: int) -> int:
+    """Embedding rows: the vocabulary padded to a multiple of vocab_multiple * tp (model/gpt.py)."""
+    multiple = cfg.vocab_multiple * tp
+    return math.ceil(cfg.vocab_size / multiple) * multiple
+
+
+def _norm(prefix: str, cfg: ModelConfig) -> list[Param]:
+    out = [Param(f"{prefix}.weight", cfg.d_model, False)]
+    if cfg.norm == "layernorm" and cfg.bias:
+        out.append(Param(f"{prefix}.bias", cfg.d_model, False))
+    return out
+
+
+def _linear(prefix: str, rows: int, cols: int, bias_rows: int | None) -> list[Param]:
+    out = [Param(f"{prefix}.weight", rows * cols, True)]
+    if bias_rows is not None:
+        out.append(Param(f"{prefix}.bias", bias_rows, False))
+    return out
+
+
+def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
+    """One transformer block's parameters on one TP rank."""
+    h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn
+    qkv_rows = (cfg.n_heads + 2 * cfg.kv_heads) * d // tp
+    fc_in_rows = f * (2 if cfg.activation == "swiglu" else 1) // tp
+    bias = cfg.bias
+    p = f"blocks.{layer}"
+    return [
+        *_norm(f"{p}.norm1", cfg),
+        *_linear(f"{p}.attn.qkv", qkv_rows, h, qkv_rows if bias else None),
+        *_linear(f"{p}.attn.proj", h, cfg.n_heads * d // tp, h if bias else None),
+        *_norm(f"{p}.norm2", cfg),
+        *_linear(f"{p}.mlp.fc_in", fc_in_rows, h, fc_in_rows if bias else None),
+        *_linear(f"{p}.mlp.fc_out", h, f // tp, h if bias else None),
+    ]
+
+
+def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
+                pp_layers: list[int] | None = None) -> list[Param]:
+    """The parameters pipeline rank `pp_rank` holds on each of its TP ranks (all hold the same sizes)."""
+    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, pp_layers)
+    first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
+    vocab_rows = padded_vocab(cfg, tp) // tp
+    out: list[Param] = []
+    if first or (last and cfg.tie_embeddings):  # a tied head's stage keeps its own copy
+        out.append(Param("wte.weight", vocab_rows * cfg.d_model, True))
+    if first and cfg.position == "learned":
+        out.append(Param("wpe.weight", cfg.seq_len * cfg.d_model, True))
+    for layer in sorted(i for c in chunks for i in c.layers):
+        out += block_params(cfg, layer, tp)
+    if last:
+        out += _norm("norm_f", cfg)
+        if not cfg.tie_embeddings:
+            out.append(Param("lm_head.weight", vocab_rows * cfg.d_model, True))
+    return out
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """Parameters of the whole serial model (the tied embedding once)."""
+    return sum(p.numel for p in rank_params(cfg, 1, 1, 1, 0))

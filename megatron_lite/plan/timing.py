@@ -1,0 +1,286 @@
+"""Predicted step time of a layout on a cluster: compute, memory-bound work, communication, bubble, optimizer.
+
+Assumptions, each a choice a reader can disagree with:
+  - GEMMs and the attention core run at `cluster.achievable` of the bf16 dense peak (fp32: half of it, the TF32
+    rate). FLOPs are those of metrics.py (causal attention at half, as flash attention skips masked blocks);
+    recomputation adds what it reruns (metrics.recompute_flops_per_token's rule).
+  - Element-wise work (norms, residual adds with dropout, GeLU/SwiGLU, RoPE, the cross entropy over the
+    logits) is bound by HBM bandwidth: each pass reads and writes its tensors once; a backward pass moves twice
+    the forward's bytes. Without SP the residual-stream work is repeated on every TP rank; with SP it is split.
+  - Tensor-parallel collectives (parallel/mappings.py) are not overlapped with compute; context-parallel ring
+    hops are, each behind its block's share of the attention core; Ulysses' all-to-alls are not.
+  - Pipeline messages (one per forward and per backward of a chunk) are not overlapped (the executor waits).
+    The bubble is the schedule simulator's for the measured forward/backward ratio, applied to the mean rank;
+    the slowest rank (embedding or head) sets the rest.
+  - Data parallelism: ZeRO-0 and ZeRO-1 all-reduce fp32 gradients once after the last micro-batch (exposed);
+    ZeRO-2 reduces every micro-batch during backward and ZeRO-3 also gathers bf16 parameters before each
+    forward and backward: both overlapped with that micro-batch's compute (DeepSpeed's overlap_comm), exposed
+    only where the collective is longer; ZeRO 1-3 all-gather the updated bf16 parameters after the step.
+  - The optimizer step is HBM-bound: AdamW reads gradient, master weight and two moments and writes three of
+    them plus the bf16 copy (30 bytes per parameter of the local partition). With the optimizer offloaded, the
+    partition's gradients and parameters cross PCIe (25 GB/s each way) and DeepSpeed's CPU Adam updates about
+    1e9 parameters/s per GPU's share of the host (ZeRO-Offload, Ren et al. 2021, reports that order).
+Not modelled: kernel launch overheads, data loading, stragglers, network contention between axes, the tied
+embedding's gradient all-reduce between the first and last stage (one (V/tp) x h tensor per step).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.metrics import layer_flops_per_token
+from megatron_lite.pipeline.partition import stage_layers
+from megatron_lite.pipeline.schedules import build_schedule
+from megatron_lite.pipeline.simulate import expected_bubble, simulate
+from megatron_lite.plan.activations import head_vocab
+from megatron_lite.plan.hardware import Cluster, Link
+from megatron_lite.plan.layout import Layout
+
+PCIE_BPS = 25e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+SIMULATE_UP_TO = 2048  # pp * vpp * m computations per rank list; larger schedules take the simulator's closed form
+
+
+@dataclass(frozen=True)
+class System:
+    """How the trainer being priced runs its kernels and collectives. OURS is this trainer; the published
+    Megatron-LM runs of 2021-2022 (plan/published.py) differ where noted there."""
+
+    name: str = "megatron_lite"
+    flash_attention: bool = True  # the core keeps its scores on chip and skips masked blocks
+    reduce_bytes: int = 4         # DP gradient reduction dtype (DeepSpeed: communication_data_type=fp32)
+    dp_overlap_stages: tuple[int, ...] = (2, 3)  # ZeRO stages whose gradient reduction overlaps backward
+    regather_sp: bool = True      # SP column-parallel layers all-gather their input again in backward
+    pp_scatter_gather: bool = False  # pipeline messages split over TP ranks, gathered over NVLink after
+
+
+OURS = System()
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float     # GEMMs and attention on the slowest pipeline rank, all micro-batches
+    memory_s: float      # element-wise work there
+    tp_s: float          # tensor-parallel collectives there
+    cp_s: float          # exposed context-parallel communication there
+    pp_s: float          # pipeline messages there
+    bubble_s: float      # idle pipeline time
+    dp_s: float          # exposed data-parallel / ZeRO communication
+    optimizer_s: float
+    bubble: float        # the schedule's bubble as a share of ideal time
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.memory_s + self.tp_s + self.cp_s + self.pp_s + self.bubble_s + self.dp_s
+                + self.optimizer_s)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One chunk's forward or backward for one micro-batch on one rank, in seconds by kind."""
+
+    compute: float = 0.0
+    memory: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    pp: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.memory + self.tp + self.cp + self.pp
+
+    def __add__(self, other: "_Work") -> "_Work":
+        return _Work(self.compute + other.compute, self.memory + other.memory, self.tp + other.tp,
+                     self.cp + other.cp, self.pp + other.pp)
+
+    def scale(self, k: float) -> "_Work":
+        return _Work(self.compute * k, self.memory * k, self.tp * k, self.cp * k, self.pp * k)
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_bubble(name: str, pp: int, vpp: int, m: int, f: float, b: float) -> float:
+    """(makespan - ideal) / ideal of the schedule with forward cost f and backward cost b per chunk: the
+    simulator's figure for lists it can run quickly, its closed form (which tests hold it to) beyond."""
+    if pp == 1:
+        return 0.0
+    if pp * vpp * m > SIMULATE_UP_TO:
+        return expected_bubble(name, pp, vpp, m)
+    return simulate(build_schedule(name, pp, vpp, m), pp, vpp, m, f, b).bubble
+
+
+class StepModel:
+    """Prices one layout of one model on one cluster."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16",
+                 system: System = OURS, dropout: bool | None = None):
+        self.cfg, self.lay, self.cluster, self.system = cfg, layout, cluster, system
+        self.act = 2 if precision == "bf16" else 4
+        peak = cluster.gpu.bf16_flops * (1 if precision == "bf16" else 0.5)
+        self.flops_per_s = peak * cluster.achievable
+        self.hbm = cluster.gpu.hbm_GBps * 1e9
+        lay = layout
+        self.tp_link = cluster.link(lay.tp, 1)
+        self.cp_link = cluster.link(lay.cp, lay.tp)
+        self.dp_link = cluster.link(lay.dp * lay.cp, lay.tp)
+        self.pp_link = cluster.link(lay.pp, lay.tp * lay.cp * lay.dp)
+        self.s = cfg.seq_len // lay.cp  # tokens of a sequence on this rank
+        self.T = lay.micro_batch_size * self.s  # tokens of a micro-batch on this rank
+        self.dropout = cfg.dropout > 0 if dropout is None else dropout
+
+    # --- one layer ---
+
+    def _layer_forward(self) -> _Work:
+        cfg, lay, act, T = self.cfg, self.lay, self.act, self.T
+        tp, h = lay.tp, cfg.d_model
+        dense, core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)
+        compute = T * (dense + core) / tp / self.flops_per_s
+        a, k, f = cfg.n_heads // tp, cfg.kv_heads // tp, cfg.ffn // tp
+        residual_tokens = T / tp if lay.sp else T
+        elems = residual_tokens * 10 * h  # 2 norms (read, write), 2 residual adds with dropout (read 2, write 1)
+        elems += T * f * (3 if cfg.activation == "swiglu" else 2)
+        if cfg.position == "rope":
+            elems += T * 2 * (a + k) * cfg.head_dim
+        if not self.system.flash_attention:  # scores written, softmax and dropout read and write them
+            elems += T * a * cfg.seq_len * 5
+        memory = elems * act / self.hbm
+        tensor = T * h * act  # (b, s/cp, h)
+        if lay.sp:
+            tp_s = 2 * self.tp_link.gather(tensor, tp) * 2  # 2 all-gathers + 2 reduce-scatters
+        else:
+            tp_s = 2 * self.tp_link.all_reduce(tensor, tp)
+        return _Work(compute, memory, tp_s, self._cp_forward(core * T / tp / self.flops_per_s))
+
+    def _cp_forward(self, core_s: float) -> float:
+        cfg, lay = self.cfg, self.lay
+        if lay.cp == 1:
+            return 0.0
+        k, a, d = cfg.kv_heads // lay.tp, cfg.n_heads // lay.tp, cfg.head_dim
+        if lay.cp_mode == "ulysses":  # q, k, v in and the output back, each an all-to-all of this rank's shard
+            return self.cp_link.gather(self.T * (2 * a + 2 * k) * d * self.act, lay.cp)
+        hop = self.cp_link.p2p(2 * self.T * k * d * self.act)  # K and V of both local chunks
+        return (lay.cp - 1) * max(0.0, hop - core_s / lay.cp)
+
+    def _layer_backward(self, forward: _Work, recomputed: bool) -> _Work:
+        """Twice the forward's compute and memory traffic; TP: the forward's collectives once more, plus the
+        SP re-gathers; CP: the K/V hops again plus fp32 dK/dV hops. A recomputed layer repeats its forward."""
+        lay, cfg = self.lay, self.cfg
+        tensor = self.T * cfg.d_model * self.act
+        if lay.sp:
+            extra = 2 * self.tp_link.gather(tensor, lay.tp) if self.system.regather_sp else 0.0
+            tp_s = forward.tp + extra
+        else:
+            tp_s = forward.tp
+        cp_s = 0.0
+        if lay.cp > 1:
+            if lay.cp_mode == "ulysses":
+                cp_s = forward.cp
+            else:
+                k, d = cfg.kv_heads // lay.tp, cfg.head_dim
+                hop = self.cp_link.p2p(2 * self.T * k * d * (self.act + 4))
+                core_s = layer_flops_per_token(cfg, cfg.seq_len)[1] * self.T / lay.tp / self.flops_per_s
+                cp_s = (lay.cp - 1) * max(0.0, hop - 2 * core_s / lay.cp)
+        work = _Work(2 * forward.compute, 2 * forward.memory, tp_s, cp_s)
+        if recomputed:  # torch's early stop skips fc_out's GEMM; a rounding next to the layer's cost
+            work = work + forward
+        elif lay.recompute == "selective":
+            core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)[1]
+            work = work + _Work(compute=self.T * core / lay.tp / self.flops_per_s)
+        return work
+
+    # --- chunks and ranks ---
+
+    def _head(self) -> tuple[_Work, _Work]:
+        """LM head GEMM and the cross entropy's passes over the (b, s, V/tp) logits (fp32)."""
+        cfg, lay, T = self.cfg, self.lay, self.T
+        V = head_vocab(cfg, lay.tp)
+        gemm = 2 * T * cfg.d_model * V / self.flops_per_s
+        logits = T * V * (self.act + 4 * 3) / self.hbm  # logits out; shifted, exp, softmax in fp32
+        tensor = T * cfg.d_model * self.act
+        comm = self.tp_link.gather(tensor, lay.tp) if lay.sp else self.tp_link.all_reduce(tensor, lay.tp)
+        ce = 3 * self.tp_link.all_reduce(T * 4, lay.tp)
+        fwd = _Work(gemm, logits, comm + ce)
+        return fwd, _Work(2 * gemm, 2 * logits, comm)
+
+    def _embedding(self) -> _Work:
+        tensor = self.T * self.cfg.d_model * self.act
+        return _Work(memory=tensor / self.hbm, tp=self.tp_link.all_reduce(tensor, self.lay.tp))
+
+    def chunk_times(self) -> list[list[tuple[float, float]]]:
+        """(forward, backward) seconds of each chunk of each pipeline rank, for one micro-batch."""
+        return [[(f.total, b.total) for f, b in rank] for rank in self._chunk_work()]
+
+    def _chunk_work(self) -> list[list[tuple[_Work, _Work]]]:
+        lay, cfg = self.lay, self.cfg
+        fwd = self._layer_forward()
+        bwd_plain, bwd_recomputed = self._layer_backward(fwd, False), self._layer_backward(fwd, True)
+        recomputed = set(range(0, cfg.n_layers, lay.recompute_every)) if lay.recompute == "full" else set()
+        stages = stage_layers(cfg.n_layers, lay.pp, lay.vpp, list(lay.pp_layers) if lay.pp_layers else None)
+        last = lay.pp * lay.vpp - 1
+        message = self.pp_link.p2p(self.T * cfg.d_model * self.act / (lay.tp if lay.sp or self.system.pp_scatter_gather
+                                                                        else 1)) if lay.pp > 1 else 0.0
+        ranks = []
+        for r in range(lay.pp):
+            chunks = []
+            for c in range(lay.vpp):
+                v = c * lay.pp + r
+                f, b = _Work(), _Work()
+                for layer in stages[v]:
+                    f = f + fwd
+                    b = b + (bwd_recomputed if layer in recomputed else bwd_plain)
+                if v == 0:
+                    f, b = f + self._embedding(), b + self._embedding()
+                if v == last:
+                    hf, hb = self._head()
+                    f, b = f + hf, b + hb
+                f = f + _Work(pp=message if v < last else 0.0)
+                b = b + _Work(pp=message if v > 0 else 0.0)
+                chunks.append((f, b))
+            ranks.append(chunks)
+        return ranks
+
+    # --- data parallelism and the optimizer ---
+
+    def _dp_and_optimizer(self, params_per_rank: int, backward_s: float) -> tuple[float, float]:
+        """(exposed DP/ZeRO communication, optimizer step) seconds per step for `params_per_rank` parameters."""
+        lay, n, link = self.lay, self.lay.dp * self.lay.cp, self.dp_link
+        m = lay.accumulation
+        P = params_per_rank
+        reduce = link.all_reduce(P * self.system.reduce_bytes, n)
+        gather = link.gather(P * self.act, n) if lay.zero_stage >= 1 else 0.0
+        if lay.zero_stage in self.system.dp_overlap_stages:
+            per_micro = reduce / 2  # a reduce-scatter: half an all-reduce
+            if lay.zero_stage == 3:
+                per_micro += 2 * link.gather(P * self.act, n)  # parameters gathered for forward and backward
+            exposed = m * max(0.0, per_micro - backward_s)
+        else:
+            exposed = reduce
+        partition = P / n if lay.zero_stage >= 1 else P
+        if lay.offload_optimizer != "none":
+            optimizer = partition / CPU_ADAM_PARAMS_PER_S + partition * (4 + self.act) / PCIE_BPS
+        else:
+            optimizer = partition * 30 / self.hbm
+        return exposed + gather, optimizer
+
+    def step(self, params_per_rank: list[int]) -> StepTime:
+        """The step time; params_per_rank: parameters held by each pipeline rank (plan/params.py)."""
+        lay = self.lay
+        m = lay.accumulation
+        work = self._chunk_work()
+        per_rank = []
+        for chunks in work:
+            f = _Work()
+            for cf, cb in chunks:
+                f = f + cf + cb
+            per_rank.append(f.scale(m))
+        slowest = max(range(lay.pp), key=lambda r: per_rank[r].total)
+        mean = sum(w.total for w in per_rank) / lay.pp
+        f_mean = sum(cf.total for chunks in work for cf, _ in chunks) / (lay.pp * lay.vpp)
+        b_mean = sum(cb.total for chunks in work for _, cb in chunks) / (lay.pp * lay.vpp)
+        ratio = round(b_mean / f_mean, 1) if f_mean > 0 else 2.0
+        bubble = schedule_bubble(lay.schedule, lay.pp, lay.vpp, m, 1.0, max(ratio, 0.1))
+        backward_s = max(sum(cb.total for _, cb in chunks) for chunks in work)
+        dp_s, opt_s = max(self._dp_and_optimizer(p, backward_s) for p in params_per_rank)
+        w = per_rank[slowest]
+        return StepTime(w.compute, w.memory, w.tp, w.cp, w.pp, bubble * mean, dp_s, opt_s, bubble)
