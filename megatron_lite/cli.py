@@ -69,6 +69,46 @@ def load(overrides: list[str], world_size: int | None = None) -> Config:
     return cfg
 
 
+def _check(cfg: Config, json_path: str | None) -> int:
+    """`--check`: the layout's predicted memory, time and MFU in one line; exit 2 if it does not fit."""
+    from megatron_lite.plan import Layout, cluster_from_config, planning_precision, predict
+    from megatron_lite.plan.report import check_line, does_not_fit, write_json
+    from megatron_lite.plan.search import fixes
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cluster = cluster_from_config(cfg.cluster, world)
+    precision = planning_precision(cfg)
+    prediction = predict(cfg.model, Layout.from_config(cfg, world), cluster, precision)
+    if json_path:
+        write_json(json_path, [prediction])
+    if not prediction.fits:
+        return _one_line("config error: " + does_not_fit(prediction, cluster, fixes(cfg.model, prediction.layout,
+                                                                                      cluster, precision)), 2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(check_line(prediction, cluster))
+    return 0
+
+
+def _plan(overrides: list[str], json_path: str | None) -> int:
+    """`--plan`: every layout of the model and batch on the cluster, ranked; the top ones as a table."""
+    from megatron_lite.plan import cluster_from_config, planning_precision
+    from megatron_lite.plan.report import plan_table, write_json
+    from megatron_lite.plan.search import search
+
+    cfg = OmegaConf.to_object(compose_config(overrides))
+    # Check what does not depend on the layout (model, batch, cluster, data) with a layout every world admits.
+    cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vpp = cfg.parallel.cp = 1
+    cfg.parallel.pp_layers = None
+    cfg.train.micro_batch_size = cfg.train.global_batch_size
+    validate(cfg, 1)
+    cluster = cluster_from_config(cfg.cluster)
+    found = search(cfg.model, cfg.train.global_batch_size, cluster, planning_precision(cfg))
+    if json_path:
+        write_json(json_path, found)
+    print(plan_table(found, 10, cluster))
+    return 0 if any(p.fits for p in found) else 2
+
+
 def _one_line(message: str, code: int) -> int:
     """Print an error once (on rank 0) and return the exit code: 2 configuration, 3 a run that cannot go on."""
     if int(os.environ.get("RANK", "0")) == 0:
@@ -76,16 +116,37 @@ def _one_line(message: str, code: int) -> int:
     return code
 
 
+MODES = ("--cfg", "--check", "--plan")
+
+
+def _json_option(args: list[str]) -> tuple[list[str], str | None]:
+    """(the overrides, the path after --json or None)."""
+    if "--json" not in args:
+        return args, None
+    i = args.index("--json")
+    if i + 1 >= len(args) or "=" in args[i + 1]:
+        raise ConfigError("--json needs a file path, e.g. --json plan.json")
+    return args[:i] + args[i + 2:], args[i + 1]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
         print("usage: train.py [key=value ...]   e.g. model=gpt2-124m zero.stage=2 train.steps=100\n"
               "       train.py --cfg [key=value ...]   print the composed config and exit\n"
-              "       train.py --check [key=value ...]   validate it for WORLD_SIZE ranks and exit (0, or 2)")
+              "       train.py --check [key=value ...] [--json PATH]   validate it for WORLD_SIZE ranks, predict its\n"
+              "                memory, step time and MFU on the cluster (cluster.*), exit 0, or 2 if it does not fit\n"
+              "       train.py --plan [key=value ...] [--json PATH]   rank every layout of the model and batch on\n"
+              "                cluster.nodes x cluster.gpus_per_node GPUs")
         return 0
-    mode = argv[0] if argv[:1] in (["--cfg"], ["--check"]) else None
+    mode = argv[0] if argv[:1] and argv[0] in MODES else None
     try:
-        cfg = load(argv[1:] if mode else argv)
+        overrides, json_path = _json_option(argv[1:] if mode else argv)
+        if json_path is not None and mode not in ("--check", "--plan"):
+            raise ConfigError("--json goes with --check or --plan")
+        if mode == "--plan":
+            return _plan(overrides, json_path)
+        cfg = load(overrides)
         if mode == "--cfg":
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
@@ -93,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_offload_support(cfg)
         if mode == "--check":
-            return 0
+            return _check(cfg, json_path)
     except ConfigError as err:
         return _one_line(f"config error: {err}", 2)
     import torch.distributed as dist

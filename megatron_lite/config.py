@@ -143,6 +143,9 @@ class TrainConfig:
     """Micro-batches per validation pass."""
     log_interval: int = 1
     """Console progress-line update every N steps (metrics.jsonl always gets every step)."""
+    track_memory: bool = False
+    """On a CPU, measure every rank's peak live tensor bytes per step (mem_peak_gib) with a dispatch-mode tracker;
+    it costs a Python call per operator. GPUs always report mem_peak_gib (the CUDA allocator counts it)."""
 
 
 @dataclass
@@ -223,6 +226,27 @@ class KernelsConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a layout is planned for (`train.py --check` / `--plan`; megatron_lite/plan/hardware.py)."""
+
+    gpu: str = "auto"
+    """a100-40gb, a100-80gb, h100-sxm, h200, b200, or auto (this machine's GPU if the table knows it, else h100-sxm)."""
+    gpus_per_node: int = 8
+    """GPUs per node; tensor parallelism stays within a node."""
+    nodes: Optional[int] = None
+    """Nodes; None: as many as WORLD_SIZE needs for --check, 1 for --plan."""
+    intra_node_GBps: Optional[float] = None
+    """Bus bandwidth between GPUs of a node, GB/s per direction; None: the GPU's NVLink."""
+    inter_node_GBps: Optional[float] = None
+    """A node's network bandwidth, all NICs together, GB/s; None: that of the GPU's DGX/HGX node (8 NICs)."""
+    achievable: float = 0.6
+    """Fraction of the bf16 dense peak that GEMMs and attention sustain (an assumption; see README 'Choosing a
+    layout')."""
+    reserve_gib: float = 2.0
+    """Memory per GPU that tensors cannot use: CUDA context, NCCL buffers, allocator fragmentation."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -235,6 +259,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 1234
     """Seed of weights, data order and dropout."""
 
@@ -299,6 +324,7 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
               "change model.seq_len or parallel.tp")
     _validate_context_parallel(cfg)
+    _validate_cluster(cfg.cluster)
     dp = world_size // (p.tp * p.cp * p.pp)
     _validate_pipeline(cfg, dp)
 
@@ -402,6 +428,25 @@ def _validate_context_parallel(cfg: Config) -> None:
     if cfg.train.compile:
         _fail("train.compile", True, f"does not work with parallel.cp={p.cp} (the attention's ring or all-to-all "
               "would break every compiled block's graph)", "use train.compile=false or parallel.cp=1")
+
+
+GPU_CHOICES = ("auto", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200")  # plan/hardware.py's table
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    _choice("cluster.gpu", c.gpu, GPU_CHOICES)
+    for key in ("gpus_per_node", "nodes"):
+        value = getattr(c, key)
+        if value is not None and value < 1:
+            _fail(f"cluster.{key}", value, "must be >= 1", "e.g. cluster.gpus_per_node=8 cluster.nodes=4")
+    for key in ("intra_node_GBps", "inter_node_GBps"):
+        value = getattr(c, key)
+        if value is not None and not value > 0:
+            _fail(f"cluster.{key}", value, "must be a positive bandwidth in GB/s", "e.g. 450, or null for the GPU's default")
+    if not 0 < c.achievable <= 1:
+        _fail("cluster.achievable", c.achievable, "must be a fraction in (0, 1]", "e.g. 0.6")
+    if c.reserve_gib < 0:
+        _fail("cluster.reserve_gib", c.reserve_gib, "must be >= 0", "e.g. 2")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

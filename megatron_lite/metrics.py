@@ -213,6 +213,8 @@ def _status_line(step: int, total: int, m: dict) -> str:
         parts.append(f"MFU {100 * m['mfu']:.2f}%")
     if isinstance(m.get("bubble"), (int, float)):
         parts.append(f"bubble {100 * m['bubble']:.1f}%")
+    if isinstance(m.get("mem_peak_gib"), (int, float)):
+        parts.append(f"mem {m['mem_peak_gib']:.2f} GiB")
     if m.get("skipped_steps"):
         parts.append(f"skipped {m['skipped_steps']}")
     if m.get("restarts"):

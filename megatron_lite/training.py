@@ -26,6 +26,7 @@ from megatron_lite.deepspeed_config import deepspeed_config, resolve_precision
 from megatron_lite.deepspeed_repairs import honour_explicit_zero3_dtype
 from megatron_lite.engine import Engine
 from megatron_lite.lr_schedule import lr_at
+from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
@@ -61,10 +62,24 @@ def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
     return 1.0 - every[:, 1].mean().item() / every[:, 0].max().item()
 
 
+def _max_over_ranks(value: int, ctx: ParallelContext) -> int:
+    out = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
+
+
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
     init_distributed(cfg.dist.timeout_s)
     ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+    memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
+    try:
+        return _train(cfg, ctx, memory)
+    finally:
+        memory.close()
+
+
+def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
     stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
     seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
 
@@ -175,6 +190,9 @@ def run(cfg: Config) -> dict:
         }
         if bubble is not None:
             record["bubble"] = bubble
+        mem_peak = memory.take()
+        if mem_peak is not None:  # the fullest rank's peak of this step
+            record["mem_peak_gib"] = _max_over_ranks(mem_peak, ctx) / 2**30
         if val_set is not None and step % cfg.train.eval_interval == 0:
             t = cfg.train
             val = val_batches(val_set, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)

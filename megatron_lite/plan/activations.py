@@ -25,10 +25,11 @@ Context parallelism divides the sequence: every term uses this rank's s/cp token
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.plan.params import padded_vocab
+from megatron_lite.plan.params import model_key, padded_vocab
 
 F32, I64, BOOL = 4, 8, 1
 
@@ -139,6 +140,12 @@ def selective_saved(cfg: ModelConfig, x: MicroShape) -> dict[str, int]:
 
 def layer_bytes(cfg: ModelConfig, x: MicroShape, recompute: str) -> int:
     """Bytes one layer keeps per micro-batch: its full set, the selective set, or (full) only its input."""
+    return _layer_bytes(model_key(cfg), x, recompute)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_bytes(key: tuple, x: MicroShape, recompute: str) -> int:
+    cfg = ModelConfig(*key)
     if recompute == "full":
         return x.res_tokens * cfg.d_model * x.res
     saved = selective_saved(cfg, x) if recompute == "selective" else block_saved(cfg, x)

@@ -19,7 +19,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.plan import activations as A
 from megatron_lite.plan.layout import Layout
-from megatron_lite.plan.params import padded_vocab, rank_params
+from megatron_lite.plan.params import chunk_param_count, padded_vocab, rank_params
 from megatron_lite.plan.schedule_memory import most_held, peak_activations
 from megatron_lite.plan.states import zero_states
 
@@ -81,12 +81,14 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     recomputed = set(range(0, cfg.n_layers, lay.recompute_every)) if lay.recompute == "full" else set()
     kept_mode = "selective" if lay.recompute == "selective" else "none"
     full_layer = A.layer_bytes(cfg, x, kept_mode)
+    input_only = A.layer_bytes(cfg, x, "full")
     per_micro, loss_t, grad_t, grads = [], [], [], []
     total_params = sum(p.numel for p in params) or 1
     for spec in chunks:
-        held = sum(A.layer_bytes(cfg, x, "full" if i in recomputed else kept_mode) for i in spec.layers)
+        rerun = sum(1 for i in spec.layers if i in recomputed)
+        held = rerun * input_only + (len(spec.layers) - rerun) * full_layer
         layer_t = A.layer_backward_transient(cfg, x) if spec.layers else 0
-        if recomputed & set(spec.layers):  # the rerun rebuilds one layer's activations during its backward
+        if rerun:  # the rerun rebuilds one layer's activations during its backward
             layer_t += full_layer
         released = 0
         if spec.has_embedding:
@@ -97,7 +99,7 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
             loss_t.append(A.head_backward_transient(cfg, x))
         else:
             loss_t.append(0)
-        chunk_params = sum(p.numel for p in params if _in_chunk(p.name, spec))
+        chunk_params = chunk_param_count(params, spec)
         if x.autocast:  # bf16 copies of the weights the chunk multiplied, kept per micro-batch in flight
             held += 2 * chunk_params
         per_micro.append(held)
@@ -116,15 +118,6 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
                           step=step_phase - st.step_grads - st.bucket_held, phase="optimizer step")
     return RankMemory(**common, activations=acts_and_grads - step_grads, step_grads=step_grads, step=0,
                       phase="backward" if moment.backward is not None else "forward")
-
-
-def _in_chunk(name: str, spec) -> bool:
-    """Whether a parameter (by global name) belongs to a chunk: its block, or the embedding / head it holds."""
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) in spec.layers
-    if name.startswith(("wte.", "wpe.")):
-        return spec.has_embedding or (spec.has_head and name.startswith("wte."))
-    return spec.has_head
 
 
 def layout_memory(cfg: ModelConfig, lay: Layout, precision: str = "bf16", cuda: bool = True) -> list[RankMemory]:

@@ -12,8 +12,9 @@ matrices decay, vectors do not.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.pipeline.partition import rank_chunks
@@ -64,9 +65,24 @@ def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
 
 
 def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
-                pp_layers: list[int] | None = None) -> list[Param]:
+                pp_layers: list[int] | tuple[int, ...] | None = None) -> tuple[Param, ...]:
     """The parameters pipeline rank `pp_rank` holds on each of its TP ranks (all hold the same sizes)."""
-    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, pp_layers)
+    return _rank_params(model_key(cfg), tp, pp, vpp, pp_rank, tuple(pp_layers) if pp_layers is not None else None)
+
+
+_FIELDS = tuple(f.name for f in fields(ModelConfig))
+
+
+def model_key(cfg: ModelConfig) -> tuple:
+    """The model's fields as a tuple (a cache key; ModelConfig(*key) rebuilds it)."""
+    return tuple(getattr(cfg, name) for name in _FIELDS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_params(key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers: tuple[int, ...] | None
+                 ) -> tuple[Param, ...]:
+    cfg = ModelConfig(*key)
+    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, list(pp_layers) if pp_layers is not None else None)
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
     vocab_rows = padded_vocab(cfg, tp) // tp
     out: list[Param] = []
@@ -80,7 +96,23 @@ def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
         out += _norm("norm_f", cfg)
         if not cfg.tie_embeddings:
             out.append(Param("lm_head.weight", vocab_rows * cfg.d_model, True))
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def chunk_param_count(params: tuple[Param, ...], spec) -> int:
+    """Parameters of one chunk (pipeline/partition.ChunkSpec) among a rank's: its blocks, and the embedding or
+    head it holds."""
+    layers = {f"blocks.{i}." for i in spec.layers}
+    total = 0
+    for p in params:
+        if p.name.startswith("blocks."):
+            total += p.numel if p.name[:p.name.index(".", 7) + 1] in layers else 0
+        elif p.name.startswith(("wte.", "wpe.")):
+            total += p.numel if spec.has_embedding or (spec.has_head and p.name.startswith("wte.")) else 0
+        elif spec.has_head:
+            total += p.numel
+    return total
 
 
 def total_params(cfg: ModelConfig) -> int:

@@ -33,6 +33,7 @@ rounded up to a power of two by torch's host allocator (host bytes only).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -87,7 +88,8 @@ def _overlapping(params: list[Param], groups: list[list[Param]], N: int) -> int:
     return worst
 
 
-def zero_states(params: list[Param], N: int, stage: int, bf16: bool, offload_optimizer: bool = False,
+@functools.lru_cache(maxsize=65536)
+def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offload_optimizer: bool = False,
                 offload_param: bool = False, cuda: bool = True) -> States:
     """States of one rank holding `params` (plan/params.py) with N ranks sharing them."""
     groups = [[p for p in params if p.decay], [p for p in params if not p.decay]]

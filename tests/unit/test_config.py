@@ -117,8 +117,9 @@ def test_train_py_exits_2_with_one_line_and_no_traceback():
 
 
 def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_path):
-    """`train.py --check`, what slurm/train.sbatch runs once before srun: 0 for a config that fits WORLD_SIZE,
-    2 with the one line otherwise; no run directory, no process group either way."""
+    """`train.py --check`, what slurm/train.sbatch runs once before srun: 0 and the one-line prediction (plan/) for
+    a config that fits WORLD_SIZE, 2 with the one-line error otherwise; no run directory, no process group either
+    way."""
     def check(*overrides):
         env = dict(os.environ, WORLD_SIZE="2")
         env.pop("RANK", None)  # the batch shell is no rank
@@ -126,7 +127,8 @@ def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_pat
                                *overrides], env=env, capture_output=True, text=True)
 
     good, bad = check("parallel.tp=2"), check("parallel.tp=4")
-    assert good.returncode == 0 and good.stdout == "" and "error" not in good.stderr, good.stderr
+    assert good.returncode == 0 and "error" not in good.stderr, good.stderr
+    assert good.stdout.startswith("layout: dp 1, tp 2") and len(good.stdout.strip().splitlines()) == 1, good.stdout
     assert bad.returncode == 2 and bad.stderr.startswith("config error: parallel.tp=4 makes tp*cp*pp=4"), bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "run")
 

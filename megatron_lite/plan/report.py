@@ -1,0 +1,88 @@
+"""What `train.py --check` and `--plan` print and write: one line, a ranked table, JSON rows."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_lite.plan import Prediction
+from megatron_lite.plan.hardware import Cluster
+
+GIB = 2**30
+
+
+def layout_text(p: Prediction) -> str:
+    lay = p.layout
+    parts = [f"dp {lay.dp}", f"tp {lay.tp}{' +sp' if lay.sp else ''}", f"cp {lay.cp}{f' {lay.cp_mode}' if lay.cp > 1 else ''}",
+             f"pp {lay.pp}", f"vpp {lay.vpp}", lay.schedule if lay.pp > 1 else "no pipeline", f"zero {lay.zero_stage}",
+             f"recompute {lay.recompute}", f"micro-batch {lay.micro_batch_size}", f"accumulation {lay.accumulation}"]
+    if lay.offload_optimizer != "none":
+        parts.append(f"optimizer on {lay.offload_optimizer}")
+    if lay.offload_param != "none":
+        parts.append(f"parameters on {lay.offload_param}")
+    return ", ".join(parts)
+
+
+def _where(p: Prediction) -> str:
+    worst = p.worst
+    stage = f"pipeline rank {worst.pp_rank}, " if p.layout.pp > 1 else ""
+    return f"{stage}at the {worst.phase}"
+
+
+def check_line(p: Prediction, cluster: Cluster) -> str:
+    """`--check` on success: the layout, memory against the GPU's, step time, throughput, MFU."""
+    return (f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
+            f"{p.usable_bytes / GIB:.1f} GiB a {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
+            f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
+            "(predicted: README 'Choosing a layout')")
+
+
+def does_not_fit(p: Prediction, cluster: Cluster, fixes: list[tuple[list[str], Prediction]]) -> str:
+    """`--check` when the layout is predicted not to fit: by how much, and the cheapest fix."""
+    over = (p.memory_bytes - p.usable_bytes) / GIB
+    head = (f"the layout ({layout_text(p)}) is predicted to need {p.memory_bytes / GIB:.1f} GiB per GPU "
+            f"({_where(p)}), {over:.1f} GiB more than the {p.usable_bytes / GIB:.1f} GiB a {cluster.gpu.name} leaves "
+            "to tensors")
+    if not fixes:
+        return head + "; no change of one or two knobs fits it: add GPUs (cluster.nodes) or see `train.py --plan`"
+    changes, fixed = fixes[0]
+    return (f"{head}; fastest fix: {' '.join(changes)} ({fixed.memory_bytes / GIB:.1f} GiB, step "
+            f"{fixed.step.total_s:.3g} s; `train.py --plan` lists every layout that fits)")
+
+
+def row(p: Prediction) -> dict:
+    lay = p.layout
+    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp, "sp": lay.sp,
+            "cp_mode": lay.cp_mode, "zero_stage": lay.zero_stage, "offload_optimizer": lay.offload_optimizer,
+            "offload_param": lay.offload_param, "recompute": lay.recompute, "recompute_every": lay.recompute_every,
+            "micro_batch_size": lay.micro_batch_size, "accumulation": lay.accumulation, "schedule": lay.schedule,
+            "memory_gib": round(p.memory_bytes / GIB, 3), "step_time_s": p.step.total_s,
+            "tokens_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "fits": p.fits,
+            "bubble": p.step.bubble, "overrides": " ".join(lay.overrides())}
+
+
+def write_json(path: str, predictions: list[Prediction]) -> None:
+    with open(path, "w") as f:
+        json.dump([row(p) for p in predictions], f, indent=1)
+
+
+def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str:
+    """The `--plan` table: the fastest layouts that fit, each with the override line that runs it."""
+    fitting = [p for p in predictions if p.fits]
+    where = (f"{cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name} ({cluster.usable_bytes / GIB:.1f} GiB "
+             "usable each)")
+    lines = [f"{len(fitting):,} layouts fit on {where}; the {min(top, len(fitting))} fastest:" if fitting else
+             f"no layout fits on {where}; the {min(top, len(predictions))} smallest:"]
+    header = f"{'#':>3} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>4} {'vpp':>3} {'dp':>5} {'zero':>4} {'recompute':>9} " \
+             f"{'micro':>5} {'GiB':>6} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>6}"
+    lines += [header, "-" * len(header)]
+    for i, p in enumerate(predictions[:top], 1):
+        lay = p.layout
+        cp = f"{lay.cp}{'u' if lay.cp > 1 and lay.cp_mode == 'ulysses' else ''}"
+        zero = f"{lay.zero_stage}{'o' if lay.offload_optimizer != 'none' else ''}"
+        lines.append(f"{i:>3} {lay.tp:>3} {'y' if lay.sp else '-':>3} {cp:>3} {lay.pp:>4} {lay.vpp:>3} {lay.dp:>5} "
+                     f"{zero:>4} {lay.recompute:>9} {lay.micro_batch_size:>5} {p.memory_bytes / GIB:>6.1f} "
+                     f"{p.step.total_s:>8.3g} {p.tokens_per_s:>11,.0f} {p.tflops_per_gpu:>7.0f} {100 * p.mfu:>5.1f}%")
+        lines.append(f"      {' '.join(lay.overrides())}")
+    lines.append("cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
+                 "(README 'Choosing a layout').")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""Every valid layout of a model and batch on a cluster, priced and ranked; and the cheapest fix for one that
+does not fit.
+
+The axes: tp (dividing the heads, KV heads and MLP width, at most a node), sequence parallelism with tp, cp
+(2·cp dividing the sequence, at least 128 tokens per chunk; Ulysses where cp divides the heads per TP rank),
+pp and vpp (an even split of the layers), dp = world / (tp·cp·pp), the micro-batch (dividing the global batch
+per replica, at least pp micro-batches under 1F1B), ZeRO 0-3 (3 without a pipeline), recompute none /
+selective / full. CPU offload is tried only for layouts that fit no other way. GPipe is left out (the same
+bubble as 1F1B with every micro-batch in flight), as are uneven layer splits and recompute_every > 1 (the
+user can still --check them). Every layout this yields passes config.validate (tests/unit/test_plan.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.plan import Prediction, predict, predict_memory
+from megatron_lite.plan.hardware import Cluster
+from megatron_lite.plan.layout import Layout
+from megatron_lite.plan.timing import OURS, System
+
+MIN_CP_CHUNK = 128  # tokens per cp chunk (each rank holds two)
+MAX_MICRO_BATCH = 64
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may vary (the defaults: everything it supports)."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    offload: bool = False
+
+
+def layouts(model: ModelConfig, global_batch: int, world: int, gpus_per_node: int, space: Space = Space()) -> Iterator[Layout]:
+    """Every layout of the search space for `world` ranks (see the module docstring)."""
+    h_q, h_kv, f, s, L = model.n_heads, model.kv_heads, model.ffn, model.seq_len, model.n_layers
+    for tp in divisors(world):
+        if tp > gpus_per_node or h_q % tp or h_kv % tp or f % tp:
+            continue
+        for sp in ((False, True) if tp > 1 and s % tp == 0 else (False,)):
+            for cp in divisors(world // tp):
+                chunks = 2 * cp * (tp if sp else 1)
+                if cp > 1 and (s % chunks or s // (2 * cp) < MIN_CP_CHUNK):
+                    continue
+                modes = ("ring",) if cp == 1 else ("ring", "ulysses")
+                for mode in modes:
+                    if mode == "ulysses" and ((h_q // tp) % cp or (h_kv // tp) % cp):
+                        continue
+                    for pp in divisors(world // (tp * cp)):
+                        if L % pp:
+                            continue
+                        dp = world // (tp * cp * pp)
+                        vpps = [v for v in divisors(L // pp) if v <= 8] if pp > 1 else [1]
+                        for vpp in vpps:
+                            yield from _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space)
+
+
+def _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space) -> Iterator[Layout]:
+    if global_batch % dp:
+        return
+    for micro in divisors(global_batch // dp):
+        m = global_batch // (dp * micro)
+        if micro > MAX_MICRO_BATCH or (pp > 1 and m < pp):
+            continue
+        for zero in space.zero_stages:
+            if zero == 3 and pp > 1:
+                continue
+            offloads = ("none", "cpu") if space.offload and zero >= 1 else ("none",)
+            for recompute in space.recompute:
+                for offload in offloads:
+                    yield Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_mode=mode,
+                                 schedule="interleaved" if vpp > 1 else "1f1b", zero_stage=zero,
+                                 offload_optimizer=offload, offload_param="none", recompute=recompute,
+                                 recompute_every=1, micro_batch_size=micro, global_batch_size=global_batch)
+
+
+def search(model: ModelConfig, global_batch: int, cluster: Cluster, precision: str = "bf16",
+           system: System = OURS, space: Space = Space()) -> list[Prediction]:
+    """Every layout that fits, fastest first; if none fits, also those with CPU offload; if still none, the
+    layouts that do not fit, smallest memory first (each has .fits False). Time is priced only for layouts that
+    fit (memory is the cheaper half), except when none does."""
+    world = cluster.world_size
+    found = [(lay, predict_memory(model, lay, precision)) for lay in
+             layouts(model, global_batch, world, cluster.gpus_per_node, space)]
+    usable = cluster.usable_bytes
+    fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
+    if not fitting and not space.offload:
+        found += [(lay, predict_memory(model, lay, precision)) for lay in
+                  layouts(model, global_batch, world, cluster.gpus_per_node, Space(space.zero_stages, space.recompute,
+                                                                                   offload=True))
+                  if lay.offload_optimizer != "none"]
+        fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
+    if fitting:
+        return sorted((predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in fitting),
+                      key=lambda p: p.step.total_s)
+    smallest = sorted(found, key=lambda item: max(r.peak for r in item[1]))[:20]
+    return [predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in smallest]
+
+
+def fixes(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16",
+          system: System = OURS) -> list[tuple[list[str], Prediction]]:
+    """Changes of one or two knobs that make `layout` fit, fastest first, as (the overrides, the prediction)."""
+    world, out = layout.world_size, []
+    candidates = [lay for lay in layouts(model, layout.global_batch_size, world, cluster.gpus_per_node,
+                                         Space(offload=True))
+                  if _distance(lay, layout) <= 2]
+    for lay in candidates:
+        pred = predict(model, lay, cluster, precision, system)
+        if pred.fits:
+            out.append((_changed(layout, lay), pred))
+    return sorted(out, key=lambda item: item[1].step.total_s)
+
+
+_KNOBS = ("tp", "pp", "vpp", "cp", "sp", "cp_mode", "zero_stage", "offload_optimizer", "recompute",
+          "micro_batch_size")
+
+
+def _distance(a: Layout, b: Layout) -> int:
+    return sum(getattr(a, k) != getattr(b, k) for k in _KNOBS)
+
+
+def _changed(old: Layout, new: Layout) -> list[str]:
+    mine = set(old.overrides())
+    return [o for o in new.overrides() if o not in mine]
