@@ -239,7 +239,7 @@ class ClusterConfig:
     """Bus bandwidth between GPUs of a node, GB/s per direction; None: the GPU's NVLink."""
     inter_node_GBps: Optional[float] = None
     """A node's network bandwidth, all NICs together, GB/s; None: that of the GPU's DGX/HGX node (8 NICs)."""
-    achievable: float = 0.6
+    achievable: float = 0.65
     """Fraction of the bf16 dense peak that GEMMs and attention sustain (an assumption; see README 'Choosing a
     layout')."""
     reserve_gib: float = 2.0
@@ -444,7 +444,7 @@ def _validate_cluster(c: ClusterConfig) -> None:
         if value is not None and not value > 0:
             _fail(f"cluster.{key}", value, "must be a positive bandwidth in GB/s", "e.g. 450, or null for the GPU's default")
     if not 0 < c.achievable <= 1:
-        _fail("cluster.achievable", c.achievable, "must be a fraction in (0, 1]", "e.g. 0.6")
+        _fail("cluster.achievable", c.achievable, "must be a fraction in (0, 1]", "e.g. 0.65")
     if c.reserve_gib < 0:
         _fail("cluster.reserve_gib", c.reserve_gib, "must be >= 0", "e.g. 2")
 

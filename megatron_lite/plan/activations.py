@@ -188,3 +188,12 @@ def head_saved(cfg: ModelConfig, x: MicroShape) -> int:
 def head_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
     """The cross entropy's backward holds two more fp32 buffers of the logits' size next to the kept one."""
     return 2 * x.tokens * head_vocab(cfg, x.tp) * F32
+
+
+def autocast_weights(cfg: ModelConfig, x: MicroShape, layers: int, head: bool) -> int:
+    """Elements of the weights a chunk multiplies under autocast (each cached as a bf16 copy that backward keeps):
+    the four projections of every layer and the head's rows; not biases, norms or embedding lookups."""
+    h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn // x.tp
+    per_layer = h * (cfg.n_heads + 2 * cfg.kv_heads) * d // x.tp + cfg.n_heads * d // x.tp * h
+    per_layer += h * f * (3 if cfg.activation == "swiglu" else 2)
+    return layers * per_layer + (head_vocab(cfg, x.tp) * h if head else 0)

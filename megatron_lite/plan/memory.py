@@ -100,8 +100,8 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
         else:
             loss_t.append(0)
         chunk_params = chunk_param_count(params, spec)
-        if x.autocast:  # bf16 copies of the weights the chunk multiplied, kept per micro-batch in flight
-            held += 2 * chunk_params
+        if x.autocast:  # bf16 copies of the matrices the chunk multiplied, kept per micro-batch in flight
+            held += 2 * A.autocast_weights(cfg, x, len(spec.layers), spec.has_head)
         per_micro.append(held)
         grad_t.append(layer_t + st.backward - released)
         grads.append(st.step_grads * chunk_params // total_params)
@@ -109,13 +109,18 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
                                               loss_t, grad_t, grads, st.bucket_held)
     acts_and_grads += st.step_held
     step_grads = sum(g for done, g in zip(moment.grads, grads) if done)
-    # the tied embedding's sync (an extra backward of the weight) comes before the step, not during it
-    step_phase = st.step_grads + st.bucket_held + max(st.step, wte * (2 if bf16 else 4) if tied_copy else 0)
+    # after the backwards: ZeRO-2's last reduction (bucket and copies); the tied embedding's sync (an extra
+    # backward of the weight), then the optimizer step with its temporaries
+    tied_sync = wte * (2 if bf16 else 4) if tied_copy else 0
+    after = {"gradient reduction": st.step_grads + st.backward + st.reduce,
+             "optimizer step": st.step_grads + st.bucket_held + max(st.step, tied_sync)}
+    phase = max(after, key=after.get)
     common = dict(pp_rank=pp_rank, params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=buffers,
-                  host=st.host, host_optimizer=st.host_optimizer, host_params=st.host_params, held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro))
-    if step_phase > acts_and_grads:
-        return RankMemory(**common, activations=0, step_grads=st.step_grads + st.bucket_held,
-                          step=step_phase - st.step_grads - st.bucket_held, phase="optimizer step")
+                  host=st.host, host_optimizer=st.host_optimizer, host_params=st.host_params,
+                  held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro))
+    if after[phase] > acts_and_grads:
+        held_grads = st.step_grads + (st.bucket_held if phase == "optimizer step" else 0)
+        return RankMemory(**common, activations=0, step_grads=held_grads, step=after[phase] - held_grads, phase=phase)
     return RankMemory(**common, activations=acts_and_grads - step_grads, step_grads=step_grads, step=0,
                       phase="backward" if moment.backward is not None else "forward")
 

@@ -57,6 +57,7 @@ class States:
     step_grads: int  # gradients a chunk's backward leaves allocated until the optimizer step
     backward: int   # allocated during each backward only (ZeRO-2's buckets, ZeRO-3's reduce buffers)
     step: int       # the optimizer step's own temporaries, on top of everything held then
+    reduce: int = 0       # ZeRO-2's reduction copies at the end of each backward (next to `backward`)
     bucket_held: int = 0  # ZeRO-1's reduce bucket: from the step's first parameter gradient to the step
     step_held: int = 0    # ZeRO-3's gathered parameters: from the step's first forward to its last backward
     host_optimizer: int = 0  # of `host`: the offloaded master weights and moments
@@ -113,7 +114,8 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
                               step_grads=4 * P, backward=0, step=8 * m, bucket_held=4 * BUCKET,
                               host_optimizer=12 * sum(S))
             return States(params=b * sum(A), grads=0, optimizer=0, buffers=b * m + norm, host=host, step_grads=0,
-                          backward=_bucket(stage, b, cuda, P), step=8 * m, host_optimizer=12 * sum(S))
+                          backward=_bucket(stage, b, cuda, P), step=8 * m, host_optimizer=12 * sum(S),
+                          reduce=_reduce_copies(b, P))
         optimizer = 4 * sum(S) + 8 * sum(S) + steps
         flat_partition = 4 * max(S)
         adam = _adam_temp(S, S, cuda)
@@ -126,7 +128,8 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
                           bucket_held=4 * BUCKET)
         held = 4 * sum(S) if bf16 else 4 * _overlapping(params, groups, N)
         return States(params=b * sum(A), grads=0, optimizer=optimizer, buffers=norm, host=0, step_grads=held,
-                      backward=_bucket(2, b, cuda, P), step=max((0 if bf16 else flat_partition) + 8 * m, adam))
+                      backward=_bucket(2, b, cuda, P), step=max((0 if bf16 else flat_partition) + 8 * m, adam),
+                      reduce=_reduce_copies(b, P))
     # ZeRO-3
     shards = [sum(math.ceil(p.numel / N) for p in g) for g in groups]
     whole = sum(math.ceil(p.numel / N) * N for p in params if p.numel <= PERSIST) if N > 1 else 0
@@ -146,10 +149,14 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
 
 
 def _bucket(stage: int, b: int, cuda: bool, P: int) -> int:
-    """ZeRO-2's reduce bucket (x2 with overlap_comm on CUDA) and the flatten copy of what it holds
-    (an fp32 copy too when bf16)."""
-    copies = 2 if cuda else 1
-    return copies * BUCKET * b + min(P, BUCKET) * (b + (4 if b == 2 else 0))
+    """ZeRO-2's reduce bucket, x2 with overlap_comm on CUDA."""
+    return (2 if cuda else 1) * BUCKET * b
+
+
+def _reduce_copies(b: int, P: int) -> int:
+    """ZeRO-2's reduction at the end of a backward flattens what the bucket holds (and casts it to fp32 when
+    bf16): by then the activations are gone, so this is a phase of its own."""
+    return min(P, BUCKET) * (b + (4 if b == 2 else 0))
 
 
 def _adam_temp(tensors: list[int], groups: list[int], cuda: bool) -> int:
