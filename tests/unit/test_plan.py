@@ -1,0 +1,148 @@
+"""The planner's parts against the real model and the schedules, and `--check` / `--plan` end to end.
+
+Memory measured on whole training steps (every rank, DeepSpeed included) is tests/distributed/
+test_plan_validation.py; published throughput is test_plan_published.py. Here: exact equalities with no process
+group -- the parameters a rank holds, every tensor a layer keeps for backward, the in-flight counts of every schedule
+-- and that every layout the search yields passes config.validate.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_lite.cli import load
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.gpt import GPT
+from megatron_lite.pipeline.partition import rank_chunks
+from megatron_lite.pipeline.schedules import build_schedule
+from megatron_lite.pipeline.simulate import expected_bubble, simulate
+from megatron_lite.plan import activations as A
+from megatron_lite.plan.params import rank_params
+from megatron_lite.plan.schedule_memory import moments
+from megatron_lite.plan.search import layouts
+from megatron_lite.plan.timing import schedule_bubble
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPT2 = dict(n_heads=4, d_model=64, vocab_size=500, seq_len=32)
+LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swiglu", position="rope",
+             tie_embeddings=False, bias=False)
+
+
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2-tied", "llama-untied"])
+@pytest.mark.parametrize("pp, vpp", [(1, 1), (2, 1), (2, 2), (4, 1)])
+def test_rank_params_are_the_built_models(kw, pp, vpp):
+    """Name and size of every parameter each pipeline rank builds (meta device), in registration order."""
+    cfg = ModelConfig(n_layers=8, **kw)
+    for rank in range(pp):
+        model = GPT(cfg, device="meta").keep_chunks(rank_chunks(rank, pp, vpp, cfg.n_layers))
+        built = [(name, p.numel()) for name, p in model.named_parameters()]
+        assert built == [(p.name, p.numel) for p in rank_params(cfg, 1, pp, vpp, rank)], (pp, vpp, rank)
+
+
+def _saved_bytes(cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype) -> int:
+    """Bytes of every distinct storage autograd keeps for backward over one forward (parameters, buffers excluded)."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dtype).train()
+    model.set_recompute(recompute)
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1))
+    kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen, total = set(), [0]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in kept and ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens[:, :-1], tokens[:, 1:])
+    return total[0]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["flash", "math-sdpa"])
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_activations_are_every_tensor_autograd_keeps(kw, dropout, dtype, recompute):
+    """One layer (a 3-layer model minus a 2-layer one) and the embedding + head (1 layer minus one layer), to the
+    byte: CPU SDPA takes its fused flash kernel without dropout and its math path with it."""
+    cfg, b = ModelConfig(n_layers=2, dropout=dropout, **kw), 2
+    act = 2 if dtype == torch.bfloat16 else 4
+    x = A.MicroShape(b=b, s=cfg.seq_len, tp=1, sp=False, cp=1, cp_mode="ring", flash=dropout == 0, act=act, res=act,
+                     autocast=False, dropout=dropout > 0, stats=act)
+    layer = _saved_bytes(dataclasses.replace(cfg, n_layers=3), recompute, b, dtype) - _saved_bytes(cfg, recompute, b, dtype)
+    assert layer == A.layer_bytes(cfg, x, recompute)
+    one = _saved_bytes(dataclasses.replace(cfg, n_layers=1), recompute, b, dtype)
+    assert one - layer == A.embedding_saved(cfg, x) + A.head_saved(cfg, x)
+
+
+@pytest.mark.parametrize("name, pp, vpp, m", [("1f1b", 4, 1, 8), ("gpipe", 4, 1, 8), ("interleaved", 4, 2, 8),
+                                               ("interleaved", 4, 2, 9), ("interleaved", 2, 3, 4)])
+def test_in_flight_moments_match_the_simulator(name, pp, vpp, m):
+    """The most micro-batch-chunks a rank holds, from the walk of its order, equals the simulator's peak."""
+    sim = simulate(build_schedule(name, pp, vpp, m), pp, vpp, m)
+    for rank in range(pp):
+        assert max(sum(x.held) for x in moments(name, pp, vpp, m, rank)) == sim.peak_in_flight[rank]
+
+
+@pytest.mark.parametrize("name, pp, vpp, m", [("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("interleaved", 4, 2, 6)])
+def test_bubble_is_the_simulators_for_any_cost_ratio(name, pp, vpp, m):
+    """schedule_bubble takes the simulator's figure whatever the forward/backward ratio (so one run serves all)."""
+    schedule = build_schedule(name, pp, vpp, m)
+    for b_cost in (1.0, 2.0, 3.5):
+        assert simulate(schedule, pp, vpp, m, 1.0, b_cost).bubble == pytest.approx(schedule_bubble(name, pp, vpp, m))
+    assert schedule_bubble(name, pp, vpp, m) == pytest.approx(expected_bubble(name, pp, vpp, m))
+
+
+def test_every_searched_layout_passes_validation():
+    """The search space (8 ranks, llama-tiny, 16 sequences) is a subset of what config.validate accepts."""
+    base = ["model=llama-tiny", "train.global_batch_size=16", "train.micro_batch_size=1"]
+    cfg = load(base, world_size=8)
+    found = list(layouts(cfg.model, 16, 8, 8))
+    assert len(found) > 100
+    for lay in found:
+        load(base + lay.overrides(), world_size=8)  # raises ConfigError on an invalid layout
+
+
+def _train_py(*args, world: int = 1):
+    env = dict(os.environ, WORLD_SIZE=str(world))
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_check_prints_one_line_and_refuses_a_layout_that_does_not_fit(tmp_path):
+    ok = _train_py("--check", "model=llama-7b", "parallel.tp=2", "parallel.sp=true", "zero.stage=2",
+                   "train.micro_batch_size=1", "train.global_batch_size=256", "--json", f"{tmp_path}/ok.json", world=16)
+    assert ok.returncode == 0 and len(ok.stdout.strip().splitlines()) == 1, ok.stderr
+    assert ok.stdout.startswith("layout: dp 8, tp 2 +sp") and "GiB per GPU" in ok.stdout and "MFU" in ok.stdout
+    (row,) = json.loads((tmp_path / "ok.json").read_text())
+    assert row["fits"] and (row["tp"], row["dp"], row["zero_stage"], row["micro_batch_size"]) == (2, 8, 2, 1)
+    bad = _train_py("--check", "model=llama-7b", "parallel.tp=8", world=16)
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "GiB more than the" in bad.stderr and "fastest fix: " in bad.stderr
+
+
+def test_plan_ranks_layouts_and_writes_json(tmp_path):
+    out = _train_py("--plan", "model=gpt2-350m", "cluster.gpu=a100-40gb", "cluster.nodes=1",
+                    "train.global_batch_size=64", "--json", f"{tmp_path}/plan.json")
+    assert out.returncode == 0, out.stderr
+    assert "layouts fit on 1 x 8 a100-40gb" in out.stdout and "train.global_batch_size=64" in out.stdout
+    rows = json.loads((tmp_path / "plan.json").read_text())
+    keys = {"tp", "pp", "vpp", "cp", "dp", "zero_stage", "recompute", "micro_batch_size", "schedule", "memory_gib",
+            "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "fits"}
+    assert rows and all(keys <= set(r) and r["fits"] for r in rows)
+    assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
+    assert all(r["tp"] * r["cp"] * r["pp"] * r["dp"] == 8 for r in rows)
+
+
+def test_json_needs_a_mode_and_a_path():
+    assert _train_py("--check", "--json").returncode == 2
+    stray = _train_py("train.steps=1", "--json", "x.json")
+    assert stray.returncode == 2 and "--json goes with --check or --plan" in stray.stderr
