@@ -6,7 +6,7 @@ that run it. The planner enumerates these (plan/search.py) and prices them (plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.pipeline.schedules import resolve_schedule
@@ -76,5 +76,3 @@ class Layout:
                 out.append(f"train.recompute_every={self.recompute_every}")
         return out
 
-    def with_(self, **changes) -> "Layout":
-        return replace(self, **changes)

@@ -124,7 +124,3 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     return RankMemory(**common, activations=acts_and_grads - step_grads, step_grads=step_grads, step=0,
                       phase="backward" if moment.backward is not None else "forward")
 
-
-def layout_memory(cfg: ModelConfig, lay: Layout, precision: str = "bf16", cuda: bool = True) -> list[RankMemory]:
-    """Every pipeline rank's prediction."""
-    return [rank_memory(cfg, lay, r, precision, cuda) for r in range(lay.pp)]

@@ -35,7 +35,7 @@ from megatron_lite.pipeline.partition import stage_layers
 from megatron_lite.pipeline.schedules import build_schedule
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
 from megatron_lite.plan.activations import head_vocab
-from megatron_lite.plan.hardware import Cluster, Link
+from megatron_lite.plan.hardware import Cluster
 from megatron_lite.plan.layout import Layout
 
 PCIE_BPS = 25e9
@@ -208,10 +208,6 @@ class StepModel:
     def _embedding(self) -> _Work:
         tensor = self.T * self.cfg.d_model * self.act
         return _Work(memory=tensor / self.hbm, tp=self.tp_link.all_reduce(tensor, self.lay.tp))
-
-    def chunk_times(self) -> list[list[tuple[float, float]]]:
-        """(forward, backward) seconds of each chunk of each pipeline rank, for one micro-batch."""
-        return [[(f.total, b.total) for f, b in rank] for rank in self._chunk_work()]
 
     def _chunk_work(self) -> list[list[tuple[_Work, _Work]]]:
         lay, cfg = self.lay, self.cfg
