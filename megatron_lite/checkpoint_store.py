@@ -33,7 +33,7 @@ import zlib
 LATEST = "latest"
 META = "meta.json"
 UNIVERSAL = "universal"  # sub-directory holding the DP-independent conversion (not part of the manifest)
-_STEP = re.compile(r"^step_(\d{7})$")
+_STEP = re.compile(r"^step_(\d{7,})$")  # zero-padded to 7 digits; step 10,000,000 on takes more
 _CHUNK = 16 << 20
 
 
@@ -144,8 +144,12 @@ def verify(path: str, checksums: bool = False) -> str | None:
 
 def complete_steps(root: str) -> list[str]:
     """Committed step directories under root, oldest first."""
-    paths = [p for p in glob.glob(os.path.join(root, "step_" + "[0-9]" * 7)) if os.path.isdir(p)]
-    return sorted(p for p in paths if is_complete(p))
+    return sorted((p for p in _step_dirs(root) if is_complete(p)), key=step_of)
+
+
+def _step_dirs(root: str) -> list[str]:
+    """Every step_<N> directory under root (N of 7 digits or more)."""
+    return [p for p in glob.glob(os.path.join(root, "step_*")) if step_of(p) is not None and os.path.isdir(p)]
 
 
 def latest_name(root: str) -> str | None:
@@ -183,8 +187,7 @@ def resume_candidates(root: str) -> tuple[list[str], list[str]]:
 
 def uncommitted_leftovers(root: str) -> list[str]:
     """Step directories without meta.json (a write that never committed)."""
-    paths = glob.glob(os.path.join(root, "step_" + "[0-9]" * 7))
-    return sorted(p for p in paths if os.path.isdir(p) and not is_complete(p))
+    return sorted((p for p in _step_dirs(root) if not is_complete(p)), key=step_of)
 
 
 def newer_checkpoints(root: str, step: int) -> list[str]:

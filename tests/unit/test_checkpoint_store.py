@@ -100,3 +100,17 @@ def test_config_time_refusals(tmp_path):
     assert "\n" not in message and "found no sound checkpoint" in message and "checkpoint.resume=never" in message
     assert "step_0000004: " in message and "has 1 bytes" in message
     load([*base, "checkpoint.resume=never"], world_size=1)
+
+
+def test_steps_past_ten_million_resume_and_prune_in_step_order(tmp_path):
+    """step_%07d grows an eighth digit at 10,000,000: such directories are candidates, ordered by step (not by
+    name, where step_10000000 sorts before step_9999999), and pruned oldest first."""
+    for step in (9_999_998, 9_999_999, 10_000_000):
+        commit(tmp_path, step)
+    names = [os.path.basename(p) for p in store.complete_steps(tmp_path)]
+    assert names == ["step_9999998", "step_9999999", "step_10000000"]
+    assert first_sound(str(tmp_path)) == os.path.join(tmp_path, "step_10000000")
+    assert store.resume_candidates(tmp_path)[0][:2] == [os.path.join(tmp_path, n) for n in ("step_10000000",
+                                                                                            "step_9999999")]
+    deleted = store.prune(tmp_path, keep=2, committed=10_000_000)
+    assert [os.path.basename(p) for p in deleted] == ["step_9999998"]
