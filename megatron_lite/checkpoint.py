@@ -19,11 +19,9 @@ import argparse
 import base64
 import json
 import os
-import pickle
 import random
 import shutil
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,30 +34,64 @@ from megatron_lite.checkpoint_store import LATEST, META, UNIVERSAL, atomic_write
 # --- RNG streams ------------------------------------------------------------------------------------------
 
 def rng_state() -> dict:
-    """The default streams of this rank: python, numpy, torch (CPU, CUDA). Dropout masks are not among them:
-    they are keyed by (seed, step, micro-batch, layer, site, tp rank) (parallel/random.py), so the step in
-    meta.json is all an exact resume needs for them."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The default streams of this rank: python, numpy, torch (CPU, CUDA), as tensors and plain numbers, so that
+    reading them back needs no pickle (torch.load(weights_only=True); meta.json keeps rank 0's as JSON). Dropout
+    masks are not among them: they are keyed by (seed, step, micro-batch, layer, site, tp rank)
+    (parallel/random.py), so the step in meta.json is all an exact resume needs for them."""
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(keys), gauss],
+             "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore rng_state(); the "tp" entry of older checkpoints (a per-TP-rank dropout stream) is ignored."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore rng_state()'s streams."""
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(np_keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _encode(obj: Any) -> str:
-    return base64.b64encode(pickle.dumps(obj)).decode()
+def rng_to_json(state: dict) -> dict:
+    """rng_state() as JSON values: generator states as base64 of their bytes, numpy's key as a list."""
+    out = {"python": state["python"], "numpy": [*state["numpy"][:1], state["numpy"][1].tolist(), *state["numpy"][2:]]}
+    for key in ("torch", "cuda"):
+        if key in state:
+            out[key] = base64.b64encode(state[key].numpy().tobytes()).decode()
+    return out
 
 
-def _decode(text: str) -> Any:
-    return pickle.loads(base64.b64decode(text))
+def rng_from_json(obj: dict) -> dict:
+    state = {"python": obj["python"], "numpy": obj["numpy"]}
+    for key in ("torch", "cuda"):
+        if key in obj:
+            state[key] = torch.frombuffer(bytearray(base64.b64decode(obj[key])), dtype=torch.uint8)
+    return state
+
+
+def load_rng(path: str, meta: dict, own_streams: bool) -> None:
+    """Restore this rank's streams (own_streams: its own file, else rank 0's from meta.json), never through
+    pickle, which could run code from a checkpoint someone else made. Checkpoints written before the streams
+    were stored this way keep them pickled: those are left unread, with a warning (the streams only seed
+    what is not keyed; the dropout masks and the data order do not depend on them)."""
+    if own_streams:
+        try:
+            set_rng_state(torch.load(path, weights_only=True))
+            return
+        except Exception:  # noqa: BLE001 - an older pickled file: fall through to meta.json's copy
+            pass
+    if isinstance(meta.get("rng_rank0"), dict):
+        set_rng_state(rng_from_json(meta["rng_rank0"]))
+    else:
+        warn(f"{os.path.dirname(path)} keeps its RNG streams pickled (written by an older version), which loading "
+             "could run code from; they are not restored (dropout masks and the data order do not use them)")
 
 
 # --- save / load with a DeepSpeed engine ------------------------------------------------------------------
@@ -84,7 +116,7 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     dist.all_gather_object(shares, store.manifest_share(path, ctx.rank, ctx.world_size))
     if ctx.is_first:
         manifest = {rel: entry for share in shares for rel, entry in share.items()}
-        meta = dict(meta, step=step, kind="deepspeed", rng_rank0=_encode(rng_state()), manifest=manifest)
+        meta = dict(meta, step=step, kind="deepspeed", rng_rank0=rng_to_json(rng_state()), manifest=manifest)
         atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
         atomic_write(os.path.join(root, LATEST), tag)
         store.prune(root, keep, step)
@@ -135,10 +167,7 @@ def load(engine, ctx, path: str, zero_stage: int, pipe: tuple | None = None) -> 
     # rank r would now play another role): every rank takes rank 0's streams, the same on every rank whatever
     # the layout. Dropout masks follow either way: they are keyed by the step, not drawn from these streams.
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
-    if same_layout(meta["layout"], ctx, zero_stage, pipe) and os.path.isfile(own):
-        set_rng_state(torch.load(own, weights_only=False))
-    else:
-        set_rng_state(_decode(meta["rng_rank0"]))
+    load_rng(own, meta, same_layout(meta["layout"], ctx, zero_stage, pipe) and os.path.isfile(own))
     return meta
 
 
