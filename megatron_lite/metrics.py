@@ -222,6 +222,31 @@ def _status_line(step: int, total: int, m: dict) -> str:
     return "  ".join(parts)
 
 
+def _drop_records_after(path: str, step: int) -> None:
+    """Rewrite the JSONL file at path without records of steps after `step` (and without a half-written last
+    line), through a temporary file renamed over it, so a crash leaves the old file or the new one."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.read().split("\n")
+    kept = []
+    for line in lines[:-1]:  # the text after the last newline is a line some crash cut short
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) == len(lines) - 1 and lines[-1] == "":
+        return  # nothing to drop
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """One record per optimizer step to ${run_dir}/metrics.jsonl (appended, flushed), wandb and the console.
 
@@ -235,13 +260,19 @@ class MetricsLogger:
     def __init__(self, run_dir: str, config_dict: dict, enabled: bool, wandb_mode: str = "auto",
                  wandb_project: str = "megatron_lite", wandb_entity: str | None = None,
                  run_name: str | None = None, wandb_id: str | None = None, total_steps: int = 0,
-                 log_interval: int = 1):
+                 log_interval: int = 1, start_step: int | None = None):
+        """start_step: the step this run starts after (0 fresh, else the checkpoint's): metrics.jsonl's records
+        of later steps, logged by a run that went on past its last checkpoint, are dropped, since they run again
+        (None keeps every record)."""
         self.enabled, self.total_steps, self.log_interval = enabled, total_steps, max(1, log_interval)
         self._id, self._wandb, self._progress, self._jsonl = wandb_id, None, None, None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if start_step is not None:
+            _drop_records_after(path, start_step)
+        self._jsonl = open(path, "a")
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
             import wandb

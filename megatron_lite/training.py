@@ -122,7 +122,7 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
         cfg.run.dir, config_dict=asdict(cfg), enabled=ctx.is_first, wandb_mode=cfg.logging.wandb.mode,
         wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
         run_name=cfg.run.name or os.path.basename(os.path.normpath(cfg.run.dir)), wandb_id=wandb_id,
-        total_steps=cfg.train.steps, log_interval=cfg.train.log_interval,
+        total_steps=cfg.train.steps, log_interval=cfg.train.log_interval, start_step=start_step,
     )
     dtype = torch.bfloat16 if resolve_precision(cfg) == "bf16" else torch.float32
     peak, peak_source = peak_flops(ctx.device, dtype)

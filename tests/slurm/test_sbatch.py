@@ -5,7 +5,7 @@
   ranks checkpoint at the next step boundary and exit 0, the script requeues the job, which resumes from
   `latest` and finishes; every step is logged exactly once;
 - a job one of whose ranks is SIGKILLed: srun ends the other, the script requeues the job (a crash), which
-  resumes from the last checkpoint and finishes; steps after that checkpoint run again;
+  resumes from the last checkpoint and finishes; steps after that checkpoint run again (logged once);
 - a job cancelled with `scancel`: the ranks checkpoint and stop, and the job stays cancelled (no requeue);
 - a job with a configuration error: refused in the batch shell with the one-line error, exit 2, no requeue.
 Every step the three jobs log has the loss of the uninterrupted job's same step (1e-6: exact resume, the same
@@ -108,12 +108,11 @@ def test_a_killed_rank_is_requeued_and_resumes(cluster, uninterrupted, tmp_path)
     os.kill(int(ranks[-1]), signal.SIGKILL)
     records, out = finish(cluster, job, run_dir)
     assert "requeueing job" in out, out[-3000:]
-    steps = [r["step"] for r in records]
-    resumed_at = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the first step logged again
-    first, second = steps[:resumed_at], steps[resumed_at:]
-    assert first == list(range(1, len(first) + 1)) and second == list(range(second[0], STEPS + 1)), steps
-    assert second[0] - 1 == (second[0] - 1) // INTERVAL * INTERVAL and second[0] - 1 >= INTERVAL, steps
-    assert len(first) - (second[0] - 1) <= INTERVAL, "more than checkpoint.interval steps were lost"
+    # The requeued job drops the records of the steps it runs again (metrics.jsonl has every step once); the
+    # restart count (Slurm's) tells where it took over: right after a checkpoint the first job committed.
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), [r["step"] for r in records]
+    resumed = next(r["step"] for r in records if r["restarts"] > 0)
+    assert (resumed - 1) % INTERVAL == 0 and resumed - 1 >= INTERVAL, records
     losses_match(records, uninterrupted[1])
     assert_checkpoints(run_dir)
 

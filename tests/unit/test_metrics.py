@@ -212,3 +212,17 @@ def test_status_line_shows_the_pipeline_bubble_only_with_a_pipeline():
     record = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.5}
     assert "bubble" not in _status_line(3, 10, record)
     assert _status_line(3, 10, {**record, "bubble": 0.1875}).endswith("MFU 50.00%  bubble 18.8%")
+
+
+def test_a_resumed_run_replaces_the_records_of_the_steps_it_runs_again(tmp_path):
+    """A run that went on past its last checkpoint (step 4) logged steps 5 and 6, then crashed mid-line; the
+    resumed run drops them (and the cut line) before it logs step 5 again: every step once (issue 23)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
+    logger = MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=4)
+    logger.log(5, {"loss": 0.5})
+    logger.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["loss"] == 0.5
+    MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=5).close()  # nothing to drop
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
