@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import torch.distributed as dist
@@ -32,10 +33,21 @@ def note_step(step: int) -> None:
     _store().set(f"{_PREFIX}/step/{dist.get_rank()}", str(step))
 
 
+# What a timed-out collective says, and nothing else: gloo's transport ("[.../gloo/transport/tcp/
+# unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete", then "Application timeout caused
+# pair closure" from the next collective on the same pair) and NCCL's watchdog ("Watchdog caught collective
+# operation timeout: WorkNCCL(...) ran for ... milliseconds before timing out", also inside the "NCCL communicator
+# was aborted" error the main thread sees).
+_TIMEOUTS = (
+    re.compile(r"gloo/transport/\S+\] Timed out waiting \d+ms"),
+    re.compile(r"Application timeout caused pair closure"),
+    re.compile(r"Watchdog caught collective operation timeout"),
+)
+
+
 def collective_timed_out(err: BaseException) -> bool:
-    """Whether err is a collective's timeout (gloo: "Timed out waiting ...", NCCL's watchdog: "timeout")."""
-    text = str(err).lower()
-    return "timed out" in text or "timeout" in text
+    """Whether err is a collective's timeout (not any error that mentions a timeout: those are crashes)."""
+    return isinstance(err, RuntimeError) and any(p.search(str(err)) for p in _TIMEOUTS)
 
 
 def name_stalled(grace_s: float) -> tuple[int, str]:
