@@ -12,4 +12,6 @@ stop.install()  # before the heavy imports below: a SIGUSR1/SIGTERM during start
 from megatron_lite.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    stop.ignore()  # the run is over; a stop signal during the interpreter's shutdown must not turn 0 into 143
+    sys.exit(code)

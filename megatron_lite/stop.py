@@ -28,6 +28,15 @@ def install() -> None:
         signal.signal(sig, _handle)
 
 
+def ignore() -> None:
+    """Ignore SIGUSR1 and SIGTERM from now on: for the end of the process, once the run has returned. While the
+    interpreter shuts down, Python puts the default action back in place of its handlers, so a stop signal then
+    (Slurm's, torchrun's, a scheduler's) killed a finished run with exit code 143, which torchrun and Slurm take
+    for a crash. An ignored signal survives the shutdown."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def requested() -> bool:
     """Whether this process has received a stop signal."""
     return bool(_raised)
