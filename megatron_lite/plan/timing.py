@@ -13,9 +13,10 @@ Assumptions, each a choice a reader can disagree with:
     The bubble is the schedule simulator's, applied to the mean rank; the slowest rank (embedding or head) sets
     the rest.
   - Data parallelism: ZeRO-0 and ZeRO-1 all-reduce fp32 gradients once after the last micro-batch (exposed);
-    ZeRO-2 reduces every micro-batch during backward and ZeRO-3 also gathers bf16 parameters before each
-    forward and backward: both overlapped with that micro-batch's compute (DeepSpeed's overlap_comm), exposed
-    only where the collective is longer; ZeRO 1-3 all-gather the updated bf16 parameters after the step.
+    ZeRO-2 all-reduces every micro-batch's gradients during its backward, ZeRO-3 reduce-scatters them and gathers
+    bf16 parameters before each forward and backward: overlapped with that micro-batch's compute (DeepSpeed's
+    overlap_comm), exposed only where the collective is longer; ZeRO 1-3 all-gather the updated bf16 parameters
+    after the step (the volumes tools/bench_comm.py measured).
   - The optimizer step is HBM-bound: AdamW reads gradient, master weight and two moments and writes three of
     them plus the bf16 copy (30 bytes per parameter of the local partition). With the optimizer offloaded, the
     partition's gradients and parameters cross PCIe (25 GB/s each way) and DeepSpeed's CPU Adam updates about
@@ -248,9 +249,9 @@ class StepModel:
         reduce = link.all_reduce(P * self.system.reduce_bytes, n)
         gather = link.gather(P * self.act, n) if lay.zero_stage >= 1 and self.system.gathers_params else 0.0
         if lay.zero_stage in self.system.dp_overlap_stages:
-            per_micro = reduce / 2  # a reduce-scatter: half an all-reduce
-            if lay.zero_stage == 3:
-                per_micro += 2 * link.gather(P * self.act, n)  # parameters gathered for forward and backward
+            # DeepSpeed 0.19: ZeRO-2 all-reduces each bucket, ZeRO-3 reduce-scatters (half the bytes) and gathers
+            # the parameters for forward and backward (tools/bench_comm.py counts both)
+            per_micro = reduce if lay.zero_stage == 2 else reduce / 2 + 2 * link.gather(P * self.act, n)
             exposed = m * max(0.0, per_micro - backward_s)
         else:
             exposed = reduce
