@@ -1,0 +1,357 @@
+"""One command measures a GPU: tests, kernels, and bf16 training throughput / MFU / memory against baselines.
+
+    python tools/bench_gpu.py                 # or: make bench-gpu   (about 10 minutes on one H100)
+    python tools/bench_gpu.py --quick         # smaller shapes and fewer steps, to check the tool
+
+In one run, on the first CUDA device, with nothing fetched from the network:
+1. the device's two ceilings, measured: device-to-device copy bandwidth and a bf16 8192^3 matmul;
+2. `tests/gpu` and the CUDA cases of the kernel unit tests (pytest, pass/fail counts);
+3. `tools/bench_kernels.py` (every fused kernel against torch eager and torch.compile);
+4. training throughput, bf16, one GPU, for gpt2-124m (b 8, s 1024) and gpt-1.3b (b 4, s 2048), each side by
+   side in the same run (every case in a fresh process, timed after warm-up, median of the timed steps):
+   - ours: the trainer's model and DeepSpeed engine (ZeRO-1 on one rank, bf16 weights with an fp32 master
+     copy), with kernels.backend=torch, =triton, and train.compile=true;
+   - hf: transformers' GPT2LMHeadModel, SDPA attention, fp32 weights under bf16 autocast, torch AdamW (fused);
+   - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
+     autocast, fused AdamW), torch.compile'd: the loop users compare with.
+   tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics over the datasheet bf16 peak), and the peak
+   allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included).
+Results: bench/results/gpu_<device>.json and .md, with device, date and commit. Without CUDA it says so in one
+line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names
+    "gpt2-124m": (8, 1024),
+    "gpt-1.3b": (4, 2048),
+}
+SIDES = ("ours-torch", "ours-triton", "ours-compile", "hf", "compiled")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The minimal compiled baseline: a GPT-2 in plain PyTorch, as nanoGPT writes it.
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class MinimalGPT(torch.nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
+        self.blocks = torch.nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One case, in its own process.
+
+def _model_cfg(preset: str, seq: int):
+    from omegaconf import OmegaConf
+
+    from megatron_lite.cli import compose_config
+
+    return OmegaConf.to_object(compose_config([f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0"])).model
+
+
+def _ours(preset: str, micro: int, seq: int, side: str):
+    from omegaconf import OmegaConf
+
+    from kernels import resolve_backend
+    from megatron_lite.cli import compose_config
+    from megatron_lite.engine import Engine
+    from megatron_lite.model.build import build_model
+    from megatron_lite.parallel.context import ParallelContext, init_distributed
+
+    overrides = [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro}",
+                 f"train.global_batch_size={micro}", "train.precision=bf16", "logging.wandb.mode=disabled",
+                 f"kernels.backend={'triton' if side == 'ours-triton' else 'torch'}",
+                 f"train.compile={'true' if side == 'ours-compile' else 'false'}"]
+    cfg = OmegaConf.to_object(compose_config(overrides))
+    init_distributed()
+    ctx = ParallelContext.build()
+    model = build_model(cfg, ctx)
+    model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
+    if cfg.train.compile:
+        model.compile_blocks()
+    engine = Engine(cfg, model, ctx)
+    batch = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), device=ctx.device)
+    return cfg.model, lambda: engine.train_step([batch], cfg.optim.lr, 1)
+
+
+def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    batch = torch.randint(0, vocab, (micro, seq + 1), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if lm_shift:  # HF shifts the labels itself
+                loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+            else:
+                loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _hf(model_cfg, micro: int, seq: int):
+    from tools.bench_throughput import hf_gpt2
+
+    return _plain_loop(hf_gpt2(model_cfg, torch.device("cuda"), torch.float32), micro, seq, model_cfg.vocab_size, True)
+
+
+def _compiled(model_cfg, micro: int, seq: int):
+    m = model_cfg
+    model = MinimalGPT(m.vocab_size, seq, m.d_model, m.n_heads, m.n_layers).cuda()
+    return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False)
+
+
+def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: int) -> dict:
+    from megatron_lite.metrics import model_flops_per_token, peak_flops
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(0)
+    if side.startswith("ours"):
+        model_cfg, step = _ours(preset, micro, seq, side)
+    else:
+        model_cfg = _model_cfg(preset, seq)
+        step = _hf(model_cfg, micro, seq) if side == "hf" else _compiled(model_cfg, micro, seq)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    tokens = micro * seq
+    peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
+    tflops = model_flops_per_token(model_cfg, seq) * tokens / step_s
+    return {"model": preset, "side": side, "micro_batch": micro, "seq_len": seq, "step_s": round(step_s, 5),
+            "step_s_spread": round((max(times) - min(times)) / step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
+            "tflops": round(tflops / 1e12, 1), "mfu": round(tflops / peak, 4), "peak_source": source,
+            "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "warmup_s": round(warmup_s, 1),
+            "timed_steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole run.
+
+def ceilings() -> dict:
+    """Measured device-to-device copy bandwidth (read + write) and bf16 matmul rate, on random data."""
+    from triton.testing import do_bench
+
+    n = 1 << 30  # 1 GiB per buffer
+    a, b = torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8, device="cuda")
+    copy_ms = do_bench(lambda: b.copy_(a), return_mode="median")
+    x, y = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm_ms = do_bench(lambda: x @ y, return_mode="median")
+    return {"copy_GBps": round(2 * n / copy_ms / 1e6, 1), "matmul_bf16_tflops": round(2 * 8192**3 / mm_ms / 1e9, 1)}
+
+
+def run_pytest(out_dir: str, quick: bool) -> dict:
+    """tests/gpu and the kernel unit tests' CUDA cases; their counts from pytest's junit XML."""
+    import xml.etree.ElementTree as ET
+
+    xml = os.path.join(out_dir, "gpu_pytest.xml")
+    units = ["tests/unit/test_kernels_norm.py"] if quick else \
+        [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", xml,
+           "tests/gpu", *units, "-k", "cuda or test_triton_model"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+    print(tail)
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    failures = []
+    if os.path.exists(xml):
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            if "failure" in kinds or "error" in kinds:
+                counts["failed" if "failure" in kinds else "errors"] += 1
+                failures.append(f"{case.get('classname')}::{case.get('name')}")
+            elif "skipped" in kinds:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
+        os.remove(xml)
+    return {**counts, "failures": failures, "exit_code": proc.returncode}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:  # noqa: BLE001 - outside a git checkout (e.g. a copied tree on a GPU node)
+        return os.environ.get("MEGATRON_LITE_COMMIT", "unknown")
+
+
+def markdown(record: dict) -> str:
+    c = record["ceilings"]
+    lines = [f"# GPU measurement: {record['device']}", "",
+             f"{record['date']}, commit {record['commit']}, torch {record['torch']}, triton {record['triton']}. "
+             f"Written by `tools/bench_gpu.py`.", "",
+             f"Measured ceilings: copy {c['copy_GBps']:,.0f} GB/s (read + write), bf16 matmul 8192^3 "
+             f"{c['matmul_bf16_tflops']:.0f} TFLOP/s. MFU uses the datasheet dense bf16 peak "
+             f"({record['peak_tflops']:.0f} TFLOP/s).", ""]
+    t = record["tests"]
+    lines += [f"Tests (tests/gpu + CUDA cases of the kernel unit tests): {t['passed']} passed, {t['failed']} failed, "
+              f"{t['errors']} errors, {t['skipped']} skipped." + (" Failing: " + ", ".join(t["failures"]) if t["failures"] else ""), ""]
+    lines += ["## Training throughput, bf16, one GPU", "",
+              "| model | b x s | side | step (ms) | tokens/s | TFLOP/s | MFU | mem peak (GiB) | vs hf | vs compiled |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in record["throughput"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | | {r['side']} | failed: {r['error'][:120]} | | | | | | |")
+            continue
+        base = {b["side"]: b for b in record["throughput"] if b["model"] == r["model"] and "error" not in b}
+        ratio = lambda side: f"{r['tokens_per_s'] / base[side]['tokens_per_s']:.2f}x" if side in base else "-"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['side']} | {1e3 * r['step_s']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['mem_peak_gib']:.1f} | "
+                     f"{ratio('hf')} | {ratio('compiled')} |")
+    lines += ["", "Sides: ours-* = our model + DeepSpeed engine (bf16 weights, fp32 master, ZeRO-1 on one rank) with "
+              "kernels.backend=torch / triton / train.compile=true; hf = transformers GPT2LMHeadModel (SDPA) with fp32 "
+              "weights under bf16 autocast and fused AdamW; compiled = a minimal nanoGPT-style GPT, torch.compile'd, "
+              "fp32 weights under bf16 autocast, fused AdamW. Median step of the timed steps after warm-up, each side "
+              "in a fresh process."]
+    k = record.get("kernels")
+    if k:
+        lines += ["", f"## Fused kernels ({k['dtype']}, gpt-1.3b shapes: {k['shape']})", "",
+                  "| op | phase | triton (ms) | eager (ms) | compile (ms) | triton GB/s | of copy bw | vs eager | vs compile |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in k["rows"]:
+            lines.append(f"| {r['op']} | {r['phase']} | {r['triton_ms']:.3f} | {r['eager_ms']:.3f} | "
+                         f"{r.get('compile_ms', float('nan')):.3f} | {r['triton_GBps']:,.0f} | "
+                         f"{100 * r['fraction_of_copy_bw']:.0f}% | {r['speedup_vs_eager']:.2f}x | "
+                         f"{r.get('speedup_vs_compile', float('nan')):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--quick", action="store_true", help="short shapes and few steps (checks the tool)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # preset,micro,seq,side,warmup,steps
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device on this machine; nothing measured (run it on a GPU node)")
+        return 0
+    if args.case:
+        preset, micro, seq, side, warmup, steps = args.case.split(",")
+        print("CASE " + json.dumps(run_case(preset, int(micro), int(seq), side, int(warmup), int(steps))))
+        return 0
+
+    import triton
+
+    from megatron_lite.metrics import peak_flops
+
+    skip = set(filter(None, args.skip.split(",")))
+    os.makedirs(args.out_dir, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    record = {"bench": "gpu", "device": device, "date": datetime.date.today().isoformat(), "commit": git_commit(),
+              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+              "peak_tflops": peak_flops(torch.device("cuda"), torch.bfloat16)[0] / 1e12}
+    stem = "gpu_" + device.lower().replace("nvidia ", "").replace(" ", "_") + ("_quick" if args.quick else "")
+
+    def save() -> None:  # after every part, so that a run cut short keeps what it measured
+        with open(os.path.join(args.out_dir, stem + ".json"), "w") as f:
+            json.dump(record, f, indent=1)
+        with open(os.path.join(args.out_dir, stem + ".md"), "w") as f:
+            f.write(markdown(record))
+
+    t0 = time.time()
+    record["ceilings"] = ceilings()
+    record["tests"], record["kernels"], record["throughput"] = None, None, []
+    print(f"bench_gpu: {device}: copy {record['ceilings']['copy_GBps']:,.0f} GB/s, bf16 matmul "
+          f"{record['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
+    record["tests"] = ({"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": [], "exit_code": None}
+                       if "tests" in skip else run_pytest(args.out_dir, args.quick))
+    save()
+    print(f"bench_gpu: tests {record['tests']['passed']} passed, {record['tests']['failed']} failed "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    if "kernels" not in skip:
+        kjson = os.path.join(args.out_dir, "_kernels.json")
+        proc = subprocess.run([sys.executable, "tools/bench_kernels.py", "--out", kjson]
+                              + (["--quick"] if args.quick else []), cwd=ROOT, capture_output=True, text=True)
+        print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:]), flush=True)
+        if os.path.exists(kjson):
+            with open(kjson) as f:
+                record["kernels"] = json.load(f)
+            os.remove(kjson)
+        save()
+    if "throughput" not in skip:
+        for preset in args.models.split(","):
+            micro, seq = MODELS[preset]
+            if args.quick:
+                micro, seq = 2, 256
+            for side in args.sides.split(","):
+                warmup, steps = (2, 3) if args.quick else (4 if "compile" in side else 3, 12)
+                case = f"{preset},{micro},{seq},{side},{warmup},{steps}"
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                env.pop("RANK", None)
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", case], cwd=ROOT, env=env,
+                                      capture_output=True, text=True)
+                found = [line[5:] for line in proc.stdout.splitlines() if line.startswith("CASE ")]
+                if found:
+                    r = json.loads(found[-1])
+                    print(f"bench_gpu: {preset} {side}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
+                          f"MFU {100 * r['mfu']:.1f}%, mem {r['mem_peak_gib']:.1f} GiB ({time.time() - t0:.0f} s)",
+                          flush=True)
+                else:
+                    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                    print(f"bench_gpu: {preset} {side} FAILED: {err}\n" + proc.stderr[-3000:], flush=True)
+                    r = {"model": preset, "side": side, "error": err}
+                record["throughput"].append(r)
+                save()
+    save()
+    print(markdown(record))
+    print(f"bench_gpu: done in {time.time() - t0:.0f} s: {args.out_dir}/{stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
