@@ -144,7 +144,27 @@ def _compiled(model_cfg, micro: int, seq: int):
     return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False)
 
 
-def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: int) -> dict:
+def profile(step, path: str, steps: int = 3) -> None:
+    """torch.profiler over a few steps: the kernels by GPU time, and the host-side ops by CPU time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    t0 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e6 / steps
+    with open(path, "w") as f:
+        f.write(f"per step: wall {1e3 * wall:.1f} ms, GPU kernels {1e3 * gpu:.1f} ms ({100 * gpu / wall:.0f}% busy)\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+        f.write("\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
+def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: int,
+             profile_dir: str | None = None) -> dict:
     from megatron_lite.metrics import model_flops_per_token, peak_flops
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -167,6 +187,8 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    if profile_dir:
+        profile(step, os.path.join(profile_dir, f"prof_{preset}_{side}.txt"))
     tokens = micro * seq
     peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
     tflops = model_flops_per_token(model_cfg, seq) * tokens / step_s
@@ -221,10 +243,12 @@ def run_pytest(out_dir: str, quick: bool) -> dict:
 
 
 def git_commit() -> str:
+    if os.environ.get("MEGATRON_LITE_COMMIT"):  # a tree copied to a GPU node may carry a stale .git
+        return os.environ["MEGATRON_LITE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
     except Exception:  # noqa: BLE001 - outside a git checkout (e.g. a copied tree on a GPU node)
-        return os.environ.get("MEGATRON_LITE_COMMIT", "unknown")
+        return "unknown"
 
 
 def markdown(record: dict) -> str:
@@ -275,6 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # preset,micro,seq,side,warmup,steps
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -282,7 +307,8 @@ def main(argv=None) -> int:
         return 0
     if args.case:
         preset, micro, seq, side, warmup, steps = args.case.split(",")
-        print("CASE " + json.dumps(run_case(preset, int(micro), int(seq), side, int(warmup), int(steps))))
+        print("CASE " + json.dumps(run_case(preset, int(micro), int(seq), side, int(warmup), int(steps),
+                                             args.profile)))
         return 0
 
     import triton
@@ -333,8 +359,9 @@ def main(argv=None) -> int:
                 case = f"{preset},{micro},{seq},{side},{warmup},{steps}"
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 env.pop("RANK", None)
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", case], cwd=ROOT, env=env,
-                                      capture_output=True, text=True)
+                extra = ["--profile", args.profile] if args.profile else []
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", case, *extra], cwd=ROOT,
+                                      env=env, capture_output=True, text=True)
                 found = [line[5:] for line in proc.stdout.splitlines() if line.startswith("CASE ")]
                 if found:
                     r = json.loads(found[-1])
