@@ -73,6 +73,9 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
                 "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                 # torch's AdamW on the device; DeepSpeed's CPU Adam when the optimizer is offloaded.
                 "torch_adam": not offload_opt,
+                # On CUDA, torch's fused kernel: one pass over parameters, gradients and both moments instead
+                # of foreach's several (gpt-1.3b on an H100: the step's optimizer time from 39 ms).
+                **({"fused": True} if torch.cuda.is_available() and not offload_opt else {}),
             },
         },
         # bf16: see holds_bf16 (README, "Mixed precision").

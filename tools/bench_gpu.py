@@ -9,8 +9,8 @@ In one run, on the first CUDA device, with nothing fetched from the network:
 3. `tools/bench_kernels.py` (every fused kernel against torch eager and torch.compile);
 4. training throughput, bf16, one GPU, for gpt2-124m (b 8, s 1024) and gpt-1.3b (b 4, s 2048), each side by
    side in the same run (every case in a fresh process, timed after warm-up, median of the timed steps):
-   - ours: the trainer's model and DeepSpeed engine (ZeRO-1 on one rank, bf16 weights with an fp32 master
-     copy), with kernels.backend=torch, =triton, and train.compile=true;
+   - ours: the trainer's model and DeepSpeed engine as `train.py` builds them (zero.stage=0 by default: fp32
+     weights under bf16 autocast, as the baselines), with kernels.backend=torch, =triton, and train.compile=true;
    - hf: transformers' GPT2LMHeadModel, SDPA attention, fp32 weights under bf16 autocast, torch AdamW (fused);
    - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
      autocast, fused AdamW), torch.compile'd: the loop users compare with.
@@ -135,12 +135,15 @@ def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool):
 def _hf(model_cfg, micro: int, seq: int):
     from tools.bench_throughput import hf_gpt2
 
-    return _plain_loop(hf_gpt2(model_cfg, torch.device("cuda"), torch.float32), micro, seq, model_cfg.vocab_size, True)
+    with torch.device("cuda"):  # initialised on the GPU: a 1.3B model's init on the host takes a minute
+        model = hf_gpt2(model_cfg, torch.device("cuda"), torch.float32)
+    return _plain_loop(model, micro, seq, model_cfg.vocab_size, True)
 
 
 def _compiled(model_cfg, micro: int, seq: int):
     m = model_cfg
-    model = MinimalGPT(m.vocab_size, seq, m.d_model, m.n_heads, m.n_layers).cuda()
+    with torch.device("cuda"):
+        model = MinimalGPT(m.vocab_size, seq, m.d_model, m.n_heads, m.n_layers)
     return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False)
 
 
@@ -274,7 +277,7 @@ def markdown(record: dict) -> str:
         lines.append(f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['side']} | {1e3 * r['step_s']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['mem_peak_gib']:.1f} | "
                      f"{ratio('hf')} | {ratio('compiled')} |")
-    lines += ["", "Sides: ours-* = our model + DeepSpeed engine (bf16 weights, fp32 master, ZeRO-1 on one rank) with "
+    lines += ["", "Sides: ours-* = our model + DeepSpeed engine (zero.stage=0: fp32 weights under bf16 autocast) with "
               "kernels.backend=torch / triton / train.compile=true; hf = transformers GPT2LMHeadModel (SDPA) with fp32 "
               "weights under bf16 autocast and fused AdamW; compiled = a minimal nanoGPT-style GPT, torch.compile'd, "
               "fp32 weights under bf16 autocast, fused AdamW. Median step of the timed steps after warm-up, each side "

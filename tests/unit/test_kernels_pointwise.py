@@ -69,8 +69,12 @@ def test_rope_matches_reference(device, dtype, b, heads, s, hd):
     assert out.stride() == apply_rope_reference(x, cos, sin).stride()  # the same layout as the reference
     _check(lambda t: apply_rope_triton(t, cos, sin), lambda t: apply_rope_reference(t, cos, sin), [x], "_RoPE",
            dtype, seed=hd)
-    if dtype == torch.float32:  # the same fp32 products and sums as the reference: equal bit for bit
+    if dtype == torch.float32 and device == "cpu":  # the same fp32 products and sums: equal bit for bit
         assert torch.equal(out, apply_rope_reference(x, cos, sin))
+    elif dtype == torch.float32:  # the GPU compiler contracts x1 c - x2 s into an FMA: one rounding fewer
+        want = apply_rope_reference(x, cos, sin)
+        ulps = (out - want).abs().max() / (torch.finfo(torch.float32).eps * x.abs().max())
+        assert ulps <= 4, f"{ulps:.1f} ulps of the largest input"
 
 
 @pytest.mark.parametrize("device", DEVICES)
