@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels import resolve_backend
+from kernels import describe, resolve_backend
 from megatron_lite import checkpoint, checkpoint_resume, checkpoint_store, checkpoint_weights, stalls, stop
 from megatron_lite.config import Config, RunError, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
@@ -148,7 +148,7 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
     logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
                  f"{ctx.pp_size}{pipeline}), "
                  f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
-                 f"{resolve_backend(cfg.kernels.backend, ctx.device)}; peak {peak / 1e12:.2f} TFLOP/s per device "
+                 f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {peak / 1e12:.2f} TFLOP/s per device "
                  f"({peak_source})")
 
     def save(step: int) -> None:

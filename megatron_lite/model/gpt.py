@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import ops
+from kernels import OPS, ops
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
 from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
@@ -52,7 +52,8 @@ def padded_vocab_size(cfg: ModelConfig, tp: int = 1) -> int:
 
 
 class RMSNorm(nn.Module):
-    kernel_backend = "torch"  # `kernels.backend`, set by GPT.set_kernels
+    kernel_op = "rmsnorm"  # which of kernels.OPS this module runs
+    kernel_backend = "torch"  # `kernels.backend` for that op, set by GPT.set_kernels
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -64,6 +65,7 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
+    kernel_op = "layernorm"
     kernel_backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,6 +136,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: s
 
 
 class Attention(nn.Module):
+    kernel_op = "rope"
     kernel_backend = "torch"
 
     def __init__(self, cfg: ModelConfig):
@@ -194,6 +197,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
+        self.kernel_op = "swiglu" if self.swiglu else "bias_gelu"
         self.fc_in = Linear(cfg.d_model, cfg.ffn * (2 if self.swiglu else 1), bias=cfg.bias)
         self.fc_out = Linear(cfg.ffn, cfg.d_model, bias=cfg.bias)
 
@@ -239,6 +243,7 @@ class LayerStack(nn.ModuleDict):
 class LMHead(nn.Module):
     """Logits over the true vocabulary (padded rows never scored); mean fp32 cross entropy given labels."""
 
+    kernel_op = "cross_entropy"
     kernel_backend = "torch"
 
     def __init__(self, vocab_size: int):
@@ -370,13 +375,15 @@ class GPT(nn.Module):
         x = self.embed(self.sequence.shard(tokens), key)
         return self.norm_f(self.run_blocks(x, self.chunks[0].layers, key))
 
-    def set_kernels(self, backend: str) -> None:
-        """kernels.backend after resolution: `torch` (references) or `triton` (fused kernels) in every module
-        that has a fused alternative (norms, RoPE, SwiGLU / bias-GeLU, cross entropy), sharded ones included."""
-        assert backend in ops.BACKENDS, backend
+    def set_kernels(self, backend: str | Mapping[str, str]) -> None:
+        """kernels.backend after resolution: `torch` (references) or `triton` (fused kernels), for every op or
+        per op ({op: backend}, kernels.resolve_backend), in every module that has a fused alternative (norms,
+        RoPE, SwiGLU / bias-GeLU, cross entropy), sharded ones included."""
+        choice = dict.fromkeys(OPS, backend) if isinstance(backend, str) else dict(backend)
+        assert set(choice.values()) <= set(ops.BACKENDS) and set(choice) == set(OPS), choice
         for module in self.modules():
             if hasattr(module, "kernel_backend"):
-                module.kernel_backend = backend
+                module.kernel_backend = choice[module.kernel_op]
 
     def compile_blocks(self) -> None:
         """train.compile: torch.compile each transformer block in place (nn.Module.compile keeps the module and

@@ -76,6 +76,7 @@ def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module:
 class VocabParallelHead(nn.Module):
     """Local logits for this rank's vocabulary range, then vocab-parallel cross entropy."""
 
+    kernel_op = "cross_entropy"
     kernel_backend = "torch"
 
     def __init__(self, vocab_size: int, vocab_start: int, tp_group, sequence_parallel: bool):
