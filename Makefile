@@ -8,18 +8,28 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+# An offline machine installs from wheelhouse/ (built elsewhere by `make wheelhouse`) with no network at all.
+WHEELHOUSE ?= wheelhouse
+PYVER  ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+OFFLINE = $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(WHEELHOUSE) --no-build-isolation,)
 
-.PHONY: install system-deps data train test test-fast bench clean
+.PHONY: install system-deps data train test test-fast bench bench-gpu wheelhouse clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || { \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	  if [ -n "$(OFFLINE)" ]; then echo "no torch here and installing offline from $(WHEELHOUSE)/: install the machine's torch first"; exit 1; \
+	  elif command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	  else $(PY) -m pip install -q torch==2.13.0; fi; }
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q $(OFFLINE) -e ".[dev]"
 	touch $(STAMP)
+
+# Every wheel beyond torch for an offline node: `make wheelhouse PYVER=3.12`, copy the folder next to the
+# checkout there, then `make install` (or `make bench-gpu`) uses it without the network (README, "GPUs").
+wheelhouse: install
+	$(PY) tools/wheelhouse.py --python-version $(PYVER) --out $(WHEELHOUSE) $(ARGS)
 
 data: install data/shakespeare-8k/meta.json data/shakespeare-gpt2/meta.json
 
@@ -55,6 +65,12 @@ test-fast: data system-deps
 
 bench: data
 	$(PY) tools/bench_throughput.py $(ARGS)
+
+# One command measures a GPU (about 10 minutes on one H100): tests/gpu and the kernels' CUDA cases, the kernel
+# benchmark, bf16 throughput / MFU / memory against HF and a compiled baseline; results in bench/results/.
+# Without CUDA it says so and exits 0.
+bench-gpu: install
+	$(PY) tools/bench_gpu.py $(ARGS)
 
 clean:
 	rm -rf runs outputs .pytest_cache
