@@ -11,7 +11,7 @@ ARGS   ?=
 # An offline machine installs from wheelhouse/ (built elsewhere by `make wheelhouse`) with no network at all.
 WHEELHOUSE ?= wheelhouse
 PYVER  ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
-OFFLINE = $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(WHEELHOUSE) --no-build-isolation,)
+OFFLINE = $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(WHEELHOUSE),)
 
 .PHONY: install system-deps data train test test-fast bench bench-gpu wheelhouse clean
 
@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 	  if [ -n "$(OFFLINE)" ]; then echo "no torch here and installing offline from $(WHEELHOUSE)/: install the machine's torch first"; exit 1; \
 	  elif command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
 	  else $(PY) -m pip install -q torch==2.13.0; fi; }
-	$(PY) -m pip install -q $(OFFLINE) -e ".[dev]"
+	$(if $(OFFLINE),$(PY) -m pip install -q $(OFFLINE) "setuptools>=70.1" &&) \
+	  $(PY) -m pip install -q $(OFFLINE) $(if $(OFFLINE),--no-build-isolation) -e ".[dev]"
 	touch $(STAMP)
 
 # Every wheel beyond torch for an offline node: `make wheelhouse PYVER=3.12`, copy the folder next to the

@@ -27,7 +27,9 @@ import sys
 from importlib import metadata
 
 # Never in the wheelhouse: the machine's own CUDA build of torch brings these.
-LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|setuptools|pip|wheel)$")
+LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pip)$")
+# Building megatron_lite itself (an editable install without build isolation) needs setuptools with bdist_wheel.
+BUILD_REQUIREMENTS = ("setuptools",)
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     skip = {canonical(s) for s in args.skip.split(",") if s}
-    pins = {k: v for k, v in sorted(closure().items()) if k not in skip}
+    needed = {**closure(), **{name: metadata.version(name) for name in BUILD_REQUIREMENTS}}
+    pins = {k: v for k, v in sorted(needed.items()) if k not in skip}
     os.makedirs(args.out, exist_ok=True)
     target = ["--python-version", args.python_version, "--implementation", "cp"]
     for plat in args.platform or PLATFORMS:
