@@ -96,9 +96,7 @@ def load_rng(path: str, meta: dict, own_streams: bool) -> None:
 
 # --- save / load with a DeepSpeed engine ------------------------------------------------------------------
 
-def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
-    """Collective: every rank writes and fsyncs its shards, the ranks checksum them, rank 0 commits
-    (checkpoint_store.py). Returns the step directory."""
+def _prepare(ctx, root: str, step: int) -> tuple[str, str]:
     tag = step_name(step)
     path = os.path.join(root, tag)
     if ctx.is_first:
@@ -108,6 +106,46 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
             warn(f"{path} held a committed checkpoint this run replaces (passed over at resume as unsound, or "
                   f"left by a run before checkpoint.resume=never); kept as {aside}")
     dist.barrier()
+    return tag, path
+
+
+def _commit(root: str, path: str, step: int, meta: dict, manifest: dict, rng0: dict, keep: int) -> None:
+    """Rank 0, once every rank's files are durable: meta.json with the manifest, then `latest`, then pruning."""
+    meta = dict(meta, step=step, kind="deepspeed", rng_rank0=rng_to_json(rng0), manifest=manifest)
+    atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+    atomic_write(os.path.join(root, LATEST), os.path.basename(path))
+    store.prune(root, keep, step)
+
+
+def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer) -> str:
+    """checkpoint.async (checkpoint_writer.py): collective staging to host memory, then this rank's background
+    write; rank 0's background thread commits. Returns the step directory (not yet committed)."""
+    from megatron_lite.checkpoint_writer import StagingEngine, remove_shares
+
+    writer.wait(reason=f"checkpoint of step {step}")
+    tag, path = _prepare(ctx, root, step)
+    staging, kept = StagingEngine(writer.pool), engine.module.checkpoint_engine
+    engine.module.checkpoint_engine = staging
+    try:
+        engine.save(root, tag)
+    finally:
+        engine.module.checkpoint_engine = kept
+    rng = rng_state()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the pinned copies have landed before the writer reads them
+    files = staging.staged + [(os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"), rng)]
+
+    def commit(manifest: dict) -> None:
+        _commit(root, path, step, meta, manifest, rng, keep)
+        remove_shares(path)
+    writer.submit(path, step, files, commit if ctx.is_first else None)
+    return path
+
+
+def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
+    """Collective: every rank writes and fsyncs its shards, the ranks checksum them, rank 0 commits
+    (checkpoint_store.py). Returns the step directory."""
+    tag, path = _prepare(ctx, root, step)
     engine.save(root, tag)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
     dist.barrier()  # every rank's files exist
@@ -115,11 +153,8 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     shares = [None] * ctx.world_size
     dist.all_gather_object(shares, store.manifest_share(path, ctx.rank, ctx.world_size))
     if ctx.is_first:
-        manifest = {rel: entry for share in shares for rel, entry in share.items()}
-        meta = dict(meta, step=step, kind="deepspeed", rng_rank0=rng_to_json(rng_state()), manifest=manifest)
-        atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
-        atomic_write(os.path.join(root, LATEST), tag)
-        store.prune(root, keep, step)
+        _commit(root, path, step, meta, {rel: entry for share in shares for rel, entry in share.items()},
+                rng_state(), keep)
     dist.barrier()
     return path
 

@@ -77,6 +77,9 @@ def atomic_write(path: str, text: str) -> None:
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
+SHARE_PREFIX = ".share_rank"  # a rank's manifest share during an asynchronous save (checkpoint_writer.py)
+
+
 def shard_files(path: str) -> list[str]:
     """Every file of a step directory that the manifest covers (relative paths, sorted): all but meta.json and
     the universal conversion, which is derived and re-made when missing."""
@@ -85,7 +88,7 @@ def shard_files(path: str) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if not (dirpath == path and d.startswith(UNIVERSAL)))
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), path)
-            if rel != META and ".tmp." not in name:
+            if rel != META and ".tmp." not in name and not name.startswith(SHARE_PREFIX):
                 out.append(rel)
     return sorted(out)
 

@@ -184,6 +184,8 @@ class CheckpointConfig:
     """Complete checkpoints to keep (older ones are deleted after a new one commits); 0 keeps all."""
     resume: str = "auto"
     """auto (latest if present), never, or a path to a step_<N> directory."""
+    async_save: bool = False
+    """Stage each save in host memory and write it from a background thread (`async` is a Python keyword)."""
 
 
 @dataclass

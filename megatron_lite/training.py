@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kernels import describe, resolve_backend
 from megatron_lite import checkpoint, checkpoint_resume, checkpoint_store, checkpoint_weights, stalls, stop
+from megatron_lite.checkpoint_writer import AsyncWriter
 from megatron_lite.config import Config, RunError, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
@@ -151,7 +152,10 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
                  f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {peak / 1e12:.2f} TFLOP/s per device "
                  f"({peak_source})")
 
-    def save(step: int) -> None:
+    writer = (AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, logger.print)
+              if cfg.checkpoint.async_save else None)
+
+    def save(step: int) -> dict:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
             "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "cp": ctx.cp_size,
@@ -160,9 +164,16 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
                        "layers_per_stage": layers},
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
-        path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
+        t0 = time.perf_counter()
+        if writer is None:
+            path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
+        else:
+            path = checkpoint.save_async(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, writer)
+        blocked = time.perf_counter() - t0
         set_collective_timeout(cfg.dist.step_timeout_s)
-        logger.print(f"saved {path}")
+        logger.print(f"saved {path} (the loop waited {blocked:.2f} s)" if writer is None else
+                     f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)")
+        return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if writer is None else {})}
 
     losses, grad_norms, step, stopped = [], [], start_step, False
     if stop.agreed(ctx.device):  # a signal during start-up: nothing has trained, so nothing to save
@@ -198,6 +209,18 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
             val = val_batches(val_set, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
             record["val_loss"] = engine.dp_mean(engine.eval_loss(val))
             record["val_ppl"] = float(np.exp(min(record["val_loss"], 50.0)))
+        fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
+        stopped = not fatal and stop.agreed(ctx.device)
+        interval = cfg.checkpoint.interval
+        if not fatal and (stopped or step == cfg.train.steps or (interval and step % interval == 0)):
+            record.update(save(step))
+        if writer is not None:  # an asynchronous save's write time, on the step it is known
+            last = stopped or fatal or step == cfg.train.steps
+            written = writer.wait(reason="stop signal" if stopped else "end of the run") if last else writer.finished()
+            if written is not None:
+                record["ckpt_write_s"] = written
+                logger.print(f"checkpoint of step {writer.step} written" + (" and committed" if ctx.is_first else "")
+                             + f" in {written:.2f} s in the background")
         logger.log(step, record)
         stalls.note_step(step)
         losses.append(loss)
@@ -205,17 +228,13 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
         if outcome.skipped:
             logger.print(f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, update skipped on every rank "
                          f"({in_row} in a row, {skipped_total} in all)")
-            if in_row >= cfg.train.max_skipped_in_row > 0:
+            if fatal:
                 logger.close()
                 engine.close()
                 raise NonFiniteError(
                     f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: steps {step - in_row + 1}-{step} all had "
                     f"a non-finite loss or gradient norm; stopped without saving (the weights are those before step "
                     f"{step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or other data")
-        stopped = stop.agreed(ctx.device)
-        interval = cfg.checkpoint.interval
-        if stopped or step == cfg.train.steps or (interval and step % interval == 0):
-            save(step)
         if stopped:
             logger.print(f"stop signal: saved at step {step}; resume with checkpoint.resume=auto")
             break

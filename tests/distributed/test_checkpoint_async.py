@@ -1,0 +1,76 @@
+"""checkpoint.async_save: a resume from an asynchronous checkpoint continues the straight run exactly (1e-6, as
+the synchronous exact resumes in test_resume.py), on every ZeRO stage and at pp=2 x tp=2; a rank SIGKILLed while
+its background write runs (a slow disk, injected) leaves the previous checkpoint as `latest`, and the restart
+continues from it. The writer's commit rules are unit-tested in tests/unit/test_checkpoint_writer.py."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from megatron_lite.checkpoint_store import latest_checkpoint, step_name
+from tests.distributed.common import overrides
+from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
+from tests.distributed.test_resume import STEPS8, assert_continues
+
+ASYNC = ["checkpoint.async_save=true"]
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
+def test_exact_resume_from_an_async_checkpoint(stage, tmp_path):
+    """dp=2, ZeRO `stage`: 8 straight steps saving asynchronously at 4 vs a fresh world resuming from it."""
+    layout = [f"zero.stage={stage}", *ASYNC]
+    ckpt = f"{tmp_path}/straight/checkpoints"
+    (straight,) = run_configs(2, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
+                              tmp_path)
+    records = _metrics(f"{tmp_path}/straight")
+    assert all(r["ckpt_block_s"] >= 0 for r in records if r["step"] in (4, 8)), records
+    assert sum("ckpt_write_s" in r for r in records) == 2, records  # each save's write time, logged once
+    (resumed,) = run_configs(2, [overrides(tmp_path, "resumed", *STEPS8, *layout,
+                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
+                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
+    assert len(resumed["losses"]) == 4
+    assert_continues(resumed, straight, 1e-6, f"zero.stage={stage}, async checkpoint")
+    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
+    assert not [n for n in os.listdir(os.path.join(ckpt, step_name(8))) if n.startswith(".share")]
+
+
+@pytest.mark.slow
+def test_exact_resume_from_an_async_checkpoint_pp2_tp2(tmp_path):
+    layout = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", *ASYNC]
+    ckpt = f"{tmp_path}/straight/checkpoints"
+    (straight,) = run_configs(4, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
+                              tmp_path)
+    (resumed,) = run_configs(4, [overrides(tmp_path, "resumed", *STEPS8, *layout,
+                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
+                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
+    assert_continues(resumed, straight, 1e-6, "pp=2 x tp=2, async checkpoint")
+
+
+def test_rank_killed_during_a_background_write(tmp_path):
+    """Rank 1's background write of step 4 takes 4 s, then it dies (SIGKILL) mid-file; meanwhile the loop trains
+    on. `latest` stays step 2, step 4 has no meta.json, and the restart continues the straight trajectory."""
+    args = overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1", *ASYNC)
+    ckpt = f"{tmp_path}/run/checkpoints"
+    env = rank_env(KILL_RANK="1", KILL_TAG=step_name(4), SLOW_WRITE_S="4")
+    crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    clean_shared_memory()
+    assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
+    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(2))
+    assert not os.path.exists(os.path.join(ckpt, step_name(4), "meta.json"))
+    logged = [r["step"] for r in _metrics(f"{tmp_path}/run")]
+    assert 5 in logged, f"the loop waited for the write instead of training on: {logged}"
+
+    (resumed,) = run_configs(2, [args + ["checkpoint.resume=auto"]], tmp_path)
+    assert [r["step"] for r in _metrics(f"{tmp_path}/run")][-6:] == [3, 4, 5, 6, 7, 8]
+    (straight,) = run_configs(2, [overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")], tmp_path)
+    assert len(resumed["losses"]) == 6
+    assert_continues(resumed, straight, 1e-6, "async: restart from step 2")
+    assert os.path.isfile(os.path.join(ckpt, step_name(8), "meta.json"))
