@@ -12,7 +12,7 @@ import pytest
 from megatron_lite.checkpoint_store import latest_checkpoint, step_name
 from tests.distributed.common import overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
-from tests.distributed.test_resume import STEPS8, assert_continues
+from tests.distributed.test_resume import STEPS8, assert_continues, straight_then_resumed
 
 ASYNC = ["checkpoint.async_save=true"]
 
@@ -25,17 +25,11 @@ def _metrics(run_dir: str) -> list[dict]:
 @pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_exact_resume_from_an_async_checkpoint(stage, tmp_path):
     """dp=2, ZeRO `stage`: 8 straight steps saving asynchronously at 4 vs a fresh world resuming from it."""
-    layout = [f"zero.stage={stage}", *ASYNC]
     ckpt = f"{tmp_path}/straight/checkpoints"
-    (straight,) = run_configs(2, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
-                              tmp_path)
+    straight, resumed = straight_then_resumed(2, tmp_path, [f"zero.stage={stage}", *ASYNC])
     records = _metrics(f"{tmp_path}/straight")
     assert all(r["ckpt_block_s"] >= 0 for r in records if r["step"] in (4, 8)), records
     assert sum("ckpt_write_s" in r for r in records) == 2, records  # each save's write time, logged once
-    (resumed,) = run_configs(2, [overrides(tmp_path, "resumed", *STEPS8, *layout,
-                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
-    assert len(resumed["losses"]) == 4
     assert_continues(resumed, straight, 1e-6, f"zero.stage={stage}, async checkpoint")
     assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
     assert not [n for n in os.listdir(os.path.join(ckpt, step_name(8))) if n.startswith(".share")]
@@ -43,13 +37,7 @@ def test_exact_resume_from_an_async_checkpoint(stage, tmp_path):
 
 @pytest.mark.slow
 def test_exact_resume_from_an_async_checkpoint_pp2_tp2(tmp_path):
-    layout = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", *ASYNC]
-    ckpt = f"{tmp_path}/straight/checkpoints"
-    (straight,) = run_configs(4, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
-                              tmp_path)
-    (resumed,) = run_configs(4, [overrides(tmp_path, "resumed", *STEPS8, *layout,
-                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
+    straight, resumed = straight_then_resumed(4, tmp_path, ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", *ASYNC])
     assert_continues(resumed, straight, 1e-6, "pp=2 x tp=2, async checkpoint")
 
 

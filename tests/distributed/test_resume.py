@@ -28,6 +28,18 @@ def assert_continues(resumed: dict, straight: dict, tol: float, what: str) -> No
     assert norms <= tol, f"{what}: grad norms differ from the straight run by {norms:.2e} (relative)"
 
 
+def straight_then_resumed(nproc: int, tmp_path, layout: list[str]) -> tuple[dict, dict]:
+    """8 straight steps saving at 4, then a fresh `nproc`-rank world resuming from step 4 (same layout)."""
+    ckpt = f"{tmp_path}/straight/checkpoints"
+    (straight,) = run_configs(nproc, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
+                              tmp_path)
+    (resumed,) = run_configs(nproc, [overrides(tmp_path, "resumed", *STEPS8, *layout,
+                                               f"checkpoint.dir={tmp_path}/resumed_ckpt",
+                                               f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
+    assert len(resumed["losses"]) == 4
+    return straight, resumed
+
+
 def test_exact_resume_8_equals_4_plus_4(tmp_path):
     """8 straight steps (saving at 4) vs a fresh process resuming from step 4: loss and grad norm <= 1e-6."""
     ckpt = f"{tmp_path}/straight/checkpoints"
@@ -44,13 +56,7 @@ def test_exact_resume_with_tensor_parallel_and_dropout(tmp_path):
     <= 1e-6. Exactness needs the same dropout masks after the restart: they are keyed by the step (saved in
     meta.json) with the seed, micro-batch, layer, site and tp rank, so no generator state carries them."""
     layout = ["parallel.tp=2", "parallel.sp=true", "zero.stage=2", "model.dropout=0.1"]
-    ckpt = f"{tmp_path}/straight/checkpoints"
-    (straight,) = run_configs(4, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
-                              tmp_path)
-    (resumed,) = run_configs(4, [overrides(tmp_path, "resumed", *STEPS8, *layout,
-                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
-    assert len(resumed["losses"]) == 4
+    straight, resumed = straight_then_resumed(4, tmp_path, layout)
     assert_continues(resumed, straight, 1e-6, "tp=2 resume")
 
 
