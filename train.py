@@ -5,7 +5,7 @@ Compose the config, validate it before any process group exists, then hand over 
 
 import sys
 
-from megatron_lite import stop
+from megatron_lite.faults import stop
 
 stop.install()  # before the heavy imports below: a SIGUSR1/SIGTERM during start-up is caught too
 

@@ -63,7 +63,7 @@ def load(overrides: list[str], world_size: int | None = None) -> Config:
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)
-    from megatron_lite.checkpoint_resume import check_resume
+    from megatron_lite.checkpoint.resume import check_resume
 
     check_resume(cfg, world_size)
     return cfg
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return _one_line(f"config error: {err}", 2)
     import torch.distributed as dist
 
-    from megatron_lite.stalls import collective_timed_out, name_stalled
+    from megatron_lite.faults.stalls import collective_timed_out, name_stalled
     from megatron_lite.training import run
 
     try:

@@ -18,8 +18,13 @@ import torch
 import torch.distributed as dist
 
 from kernels import describe, resolve_backend
-from megatron_lite import checkpoint, checkpoint_resume, checkpoint_store, checkpoint_weights, stalls, stop
-from megatron_lite.checkpoint_writer import AsyncWriter
+from megatron_lite import checkpoint
+from megatron_lite.checkpoint import resume as checkpoint_resume
+from megatron_lite.checkpoint import store as checkpoint_store
+from megatron_lite.checkpoint import weights as checkpoint_weights
+from megatron_lite.faults import stalls
+from megatron_lite.faults import stop
+from megatron_lite.checkpoint.writer import AsyncWriter
 from megatron_lite.config import Config, RunError, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches

@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite import checkpoint  # noqa: E402
-from megatron_lite.checkpoint_store import step_name  # noqa: E402
-from megatron_lite.checkpoint_writer import AsyncWriter  # noqa: E402
+from megatron_lite.checkpoint.store import step_name  # noqa: E402
+from megatron_lite.checkpoint.writer import AsyncWriter  # noqa: E402
 from megatron_lite.cli import compose_config  # noqa: E402
 from megatron_lite.engine import Engine  # noqa: E402
 from megatron_lite.model.build import build_model  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.checkpoint_weights import load_model_state, save_model_state  # noqa: E402
+from megatron_lite.checkpoint.weights import load_model_state, save_model_state  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.model.gpt import padded_vocab_size  # noqa: E402
 from megatron_lite.model.layout import segments_of  # noqa: E402

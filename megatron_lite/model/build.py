@@ -11,7 +11,7 @@ same keyed init, at a peak of this rank's share plus one full tensor (tests/unit
 tests/distributed/test_model_build.py; bench/results/build_memory_cpu.md measures it).
 
 Left out on purpose: reading a weights-only checkpoint lazily per tensor (it is read whole, memory-mapped, see
-checkpoint_weights.load_model_state).
+checkpoint/weights.py: load_model_state).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from megatron_lite.checkpoint_store import latest_checkpoint, step_name
+from megatron_lite.checkpoint.store import latest_checkpoint, step_name
 from tests.distributed.common import overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
 from tests.distributed.test_resume import STEPS8, assert_continues, straight_then_resumed

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 
-from megatron_lite import checkpoint_store as store
+from megatron_lite.checkpoint import store
 from tests.distributed.common import overrides
 from tests.distributed.launcher import run_configs
 from tests.distributed.test_resume import assert_continues

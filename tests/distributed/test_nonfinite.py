@@ -11,8 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from megatron_lite.checkpoint_weights import load_model_state
-from megatron_lite.checkpoint_store import latest_checkpoint, step_name
+from megatron_lite.checkpoint.weights import load_model_state
+from megatron_lite.checkpoint.store import latest_checkpoint, step_name
 from tests.distributed.common import overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
 

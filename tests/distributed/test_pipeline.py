@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from megatron_lite.checkpoint_store import step_name
+from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
 

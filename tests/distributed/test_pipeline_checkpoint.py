@@ -8,7 +8,7 @@ change reorders cross-rank sums; measured 0.0 on losses, <= 7.1e-8 on norms).
 
 import pytest
 
-from megatron_lite.checkpoint_store import step_name
+from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import assert_same_hf_export, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import run_configs
 

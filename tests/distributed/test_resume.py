@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from megatron_lite.checkpoint_store import latest_checkpoint, step_name
+from megatron_lite.checkpoint.store import latest_checkpoint, step_name
 from tests.distributed.common import assert_same_hf_export, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
 

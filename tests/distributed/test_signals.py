@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from megatron_lite import checkpoint_store as store
+from megatron_lite.checkpoint import store
 from tests.distributed.common import overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
 from tests.distributed.test_resume import assert_continues

@@ -1,6 +1,6 @@
 """A rank that hangs for real (SIGSTOP) mid-run ends the job within dist.step_timeout_s instead of the
 start-up timeout: the other rank's next collective times out, it exits, and torchrun tears the job down so a
-restart can happen; rank 0's last line names rank 1 as the one that stalled (megatron_lite/stalls.py).
+restart can happen; rank 0's last line names rank 1 as the one that stalled (megatron_lite/faults/stalls.py).
 Start-up itself keeps the long dist.timeout_s (the run below starts and trains under a
 5 s steady-state timeout only because that one applies from the second step on)."""
 

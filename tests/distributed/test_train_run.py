@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from megatron_lite.checkpoint_store import latest_checkpoint, read_meta, step_name
+from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env
 from tests.utils.wandb_reader import read_wandb_history
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from megatron_lite.checkpoint_store import complete_steps, latest_checkpoint, step_name
+from megatron_lite.checkpoint.store import complete_steps, latest_checkpoint, step_name
 from megatron_lite.parallel.context import free_port
 from tests.distributed.common import logged_records
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env

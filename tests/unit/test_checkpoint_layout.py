@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_lite.checkpoint_resume import data_stream_changes, needs_universal, same_layout, saved_pipeline
+from megatron_lite.checkpoint.resume import data_stream_changes, needs_universal, same_layout, saved_pipeline
 from megatron_lite.cli import load
 from megatron_lite.config import ConfigError
 

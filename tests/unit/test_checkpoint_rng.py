@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from megatron_lite.checkpoint import load_rng, rng_from_json, rng_state, rng_to_json
+from megatron_lite.checkpoint.sharded import load_rng, rng_from_json, rng_state, rng_to_json
 
 
 def _draws() -> tuple:

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from megatron_lite import checkpoint_store as store
-from megatron_lite.checkpoint_resume import first_sound
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.resume import first_sound
 from megatron_lite.cli import load
 from megatron_lite.config import ConfigError
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from megatron_lite import checkpoint_writer
-from megatron_lite.checkpoint_store import shard_files
-from megatron_lite.checkpoint_writer import AsyncWriter, StagingEngine, to_host
+from megatron_lite.checkpoint import writer as checkpoint_writer
+from megatron_lite.checkpoint.store import shard_files
+from megatron_lite.checkpoint.writer import AsyncWriter, StagingEngine, to_host
 
 
 def _files(path, rank):

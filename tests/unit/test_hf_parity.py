@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from megatron_lite.checkpoint_weights import load_model_state
+from megatron_lite.checkpoint.weights import load_model_state
 from megatron_lite.model.gpt import GPT
 from tools.convert_hf import ConversionError, hf_config_to_model_config, hf_to_ours, main, ours_to_hf
 

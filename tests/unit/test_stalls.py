@@ -3,7 +3,7 @@ crash with its own traceback, not exit 4 after a grace wait."""
 
 import pytest
 
-from megatron_lite.stalls import collective_timed_out
+from megatron_lite.faults.stalls import collective_timed_out
 
 TIMEOUTS = [
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for "

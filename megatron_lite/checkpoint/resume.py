@@ -10,8 +10,8 @@ import os
 
 import torch.distributed as dist
 
-from megatron_lite import checkpoint_store as store
-from megatron_lite.checkpoint_store import META, read_meta
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.store import META, read_meta
 from megatron_lite.config import RunError
 
 

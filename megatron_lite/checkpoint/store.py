@@ -77,7 +77,7 @@ def atomic_write(path: str, text: str) -> None:
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-SHARE_PREFIX = ".share_rank"  # a rank's manifest share during an asynchronous save (checkpoint_writer.py)
+SHARE_PREFIX = ".share_rank"  # a rank's manifest share during an asynchronous save (writer.py)
 
 
 def shard_files(path: str) -> list[str]:

@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from megatron_lite import checkpoint_store as store
-from megatron_lite.checkpoint_store import SHARE_PREFIX
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.store import SHARE_PREFIX
 
 
 class HostPool:

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite import checkpoint_store as store
-from megatron_lite.checkpoint_resume import needs_universal, same_layout, warn
-from megatron_lite.checkpoint_store import LATEST, META, UNIVERSAL, atomic_write, read_meta, step_name
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.resume import needs_universal, same_layout, warn
+from megatron_lite.checkpoint.store import LATEST, META, UNIVERSAL, atomic_write, read_meta, step_name
 
 # --- RNG streams ------------------------------------------------------------------------------------------
 
@@ -118,9 +118,9 @@ def _commit(root: str, path: str, step: int, meta: dict, manifest: dict, rng0: d
 
 
 def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer) -> str:
-    """checkpoint.async (checkpoint_writer.py): collective staging to host memory, then this rank's background
+    """checkpoint.async_save (checkpoint/writer.py): collective staging to host memory, then this rank's background
     write; rank 0's background thread commits. Returns the step directory (not yet committed)."""
-    from megatron_lite.checkpoint_writer import StagingEngine, remove_shares
+    from megatron_lite.checkpoint.writer import StagingEngine, remove_shares
 
     writer.wait(reason=f"checkpoint of step {step}")
     tag, path = _prepare(ctx, root, step)

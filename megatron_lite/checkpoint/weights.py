@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from megatron_lite import checkpoint_store as store
-from megatron_lite.checkpoint import convert_to_universal
-from megatron_lite.checkpoint_store import LATEST, META, atomic_write, read_meta, step_name
+from megatron_lite.checkpoint import store
+from megatron_lite.checkpoint.sharded import convert_to_universal
+from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
 
 

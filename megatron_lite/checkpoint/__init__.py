@@ -1,0 +1,12 @@
+"""Checkpoints, one module per idea:
+
+- sharded: DeepSpeed's sharded save and load, the RNG streams, the universal conversion a layout change needs
+- store: the files (step directories, the manifest, the commit with fsync, candidates, pruning)
+- resume: which checkpoint a run resumes (auto's fallback) and whether it can (layout, data-stream comparisons)
+- weights: weights-only checkpoints and full merged weights (HF import/export)
+- writer: checkpoint.async_save (staging engine, background writer, rank 0's commit)
+"""
+
+from megatron_lite.checkpoint.sharded import load, save, save_async
+
+__all__ = ["load", "save", "save_async"]
