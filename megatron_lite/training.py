@@ -1,7 +1,7 @@
 """The training loop: context -> model -> engine -> (resume) -> steps with metrics, eval and checkpoints.
 
 Stop signals (SIGUSR1 from Slurm's --signal, SIGTERM from a preemption or torchrun) only set a flag
-(stop.py); all ranks agree on it at the next step boundary, save a checkpoint and return, so a requeued or
+(faults/stop.py); all ranks agree on it at the next step boundary, save a checkpoint and return, so a requeued or
 restarted job resumes with `checkpoint.resume=auto`. A step with a non-finite loss or gradient norm updates
 nothing (engine.py); too many in a row end the run (NonFiniteError).
 """

@@ -1,5 +1,5 @@
 """Which checkpoint a job resumes, and whether it can: resume=auto's choice among the committed checkpoints
-(checkpoint_store.py checks them), the config-time check of a resume before any process group, and what a
+(checkpoint/store.py checks them), the config-time check of a resume before any process group, and what a
 checkpoint's layout means for this job (the same layout continues every rank's RNG streams; another number of
 ZeRO partitions, TP size, stage or pipeline layout goes through the universal format; a changed data stream is
 said by key)."""
@@ -55,7 +55,7 @@ def _none_sound(root: str, notes: list[str]) -> str | None:
 
 def choose_resume(resume: str, root: str, ctx) -> str | None:
     """Collective: the checkpoint to resume (None: start fresh), every file checked against its manifest.
-    resume=auto falls back past unsound checkpoints with a warning (checkpoint_store.py); an explicit path
+    resume=auto falls back past unsound checkpoints with a warning (checkpoint/store.py); an explicit path
     does not fall back. Raises RunError (one line) when checkpoints exist and none is sound."""
     if resume == "never":
         return None

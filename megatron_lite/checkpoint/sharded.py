@@ -1,5 +1,5 @@
 """Checkpoint contents with a DeepSpeed engine: save (every rank's shards and RNG streams, then rank 0 commits
-through checkpoint_store.py: fsync, manifest, `latest`, pruning) and load, with the universal conversion that
+through checkpoint/store.py: fsync, manifest, `latest`, pruning) and load, with the universal conversion that
 a change of layout needs.
 
 Elastic resume: when the checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage or pipeline
@@ -144,7 +144,7 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
 
 def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     """Collective: every rank writes and fsyncs its shards, the ranks checksum them, rank 0 commits
-    (checkpoint_store.py). Returns the step directory."""
+    (checkpoint/store.py). Returns the step directory."""
     tag, path = _prepare(ctx, root, step)
     engine.save(root, tag)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))

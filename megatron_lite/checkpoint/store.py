@@ -1,4 +1,4 @@
-"""Checkpoints on disk: names, the commit, what `resume=auto` picks, pruning. No DeepSpeed here (checkpoint.py
+"""Checkpoints on disk: names, the commit, what `resume=auto` picks, pruning. No DeepSpeed here (sharded.py
 writes and reads the contents).
 
   ${checkpoint.dir}/step_<NNNNNNN>/   every rank's shards, then meta.json, written last by rank 0

@@ -1,7 +1,7 @@
 """checkpoint.async: a save blocks the loop only while its tensors are copied to host memory; a background
 thread writes, fsyncs and checksums them, and rank 0 commits once every rank's files are durable.
 
-The protocol is the synchronous one (checkpoint.save, checkpoint_store.py), moved off the loop:
+The protocol is the synchronous one (checkpoint.save, checkpoint/store.py), moved off the loop:
 1. foreground, collective: DeepSpeed's save_checkpoint runs with `StagingEngine` as its checkpoint engine, which
    copies each state dict it is given to host memory (pinned on a GPU) instead of writing it; the RNG streams are
    taken too. This is `ckpt_block_s`.

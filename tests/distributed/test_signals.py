@@ -1,4 +1,4 @@
-"""Stop signals sent for real to the worker processes of a 2-rank torchrun job (stop.py):
+"""Stop signals sent for real to the worker processes of a 2-rank torchrun job (megatron_lite/faults/stop.py):
 
 - at start-up, as soon as the workers have installed their handlers (read from /proc: SigCgt), long before
   training: exit code 0, no traceback, nothing saved;

@@ -1,4 +1,4 @@
-"""The on-disk protocol without DeepSpeed (checkpoint_store.py): manifests catch truncated and corrupted files,
+"""The on-disk protocol without DeepSpeed (checkpoint/store.py): manifests catch truncated and corrupted files,
 resume=auto passes over unsound checkpoints and a dangling `latest`, nothing newer than the committed step is
 pruned, a committed directory is renamed aside rather than deleted, and the config-time check refuses in one
 line a resume that would train over newer checkpoints or find nothing sound."""
