@@ -76,16 +76,37 @@ def _max_over_ranks(value: int, ctx: ParallelContext) -> int:
 
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
-    init_distributed(cfg.dist.timeout_s)
-    ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
-    memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
+    progress = {"stepped": False}
     try:
-        return _train(cfg, ctx, memory)
-    finally:
-        memory.close()
+        init_distributed(cfg.dist.timeout_s)
+        ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+        memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
+        try:
+            return _train(cfg, ctx, memory, progress)
+        finally:
+            memory.close()
+    except Exception as err:
+        if progress["stepped"] or not stop.requested():
+            raise
+        return _interrupted_start_up(err)
 
 
-def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
+def _interrupted_start_up(err: Exception) -> dict:
+    """A stop signal sent to the whole process group (Slurm's scancel and preemption, a terminal's Ctrl-C, some
+    launchers) also reaches what start-up runs as child processes: the compiler DeepSpeed starts for its CPU
+    communication op on a machine's first run, Triton's and Inductor's compilers. Start-up then fails with that
+    child's error, e.g. "Error building extension 'deepspeed_shm_comm': ninja: build stopped: interrupted by user"
+    when SIGTERM to the group lands during that build (seen, and tested). Nothing has trained, so the run stops as
+    a signal during start-up does (exit 0, nothing saved) and says what was cut short; once a step has run, an
+    error is a crash whatever signal came with it (the restart resumes from the last checkpoint)."""
+    if os.environ.get("RANK", "0") == "0":
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        print(f"stop signal during start-up: exiting before the first step (start-up was cut short: {reason}), "
+              "nothing saved", flush=True)
+    return {"losses": [], "grad_norms": [], "last_step": None, "stopped": True}
+
+
+def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict) -> dict:
     stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
     seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
 
@@ -188,6 +209,7 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory) -> dict:
         return {"losses": [], "grad_norms": [], "last_step": start_step, "stopped": True}
     skipped_total, in_row = 0, 0  # updates skipped for a non-finite loss or gradient norm (this process's run)
     for step in range(start_step + 1, cfg.train.steps + 1):
+        progress["stepped"] = True
         t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
         outcome = engine.train_step(batches.next_step(), lr, step)
         if step == start_step + 1:  # start-up and the first step's warm-up are done: a hang now ends the job soon
