@@ -130,11 +130,11 @@ class SentBytes:
         dist.batch_isend_irecv, dist.all_to_all_single = self._p2p, self._a2a
 
 
-def attention(mode: str, q, k, v, group):
+def attention(mode: str, q, k, v, group, blocks: str = "auto"):
     from megatron_lite.parallel.context_parallel import ring_attention, ulysses_attention
 
     if mode == "ring":
-        return ring_attention(q, k, v, group)
+        return ring_attention(q, k, v, group, blocks=blocks)
     return ulysses_attention(q, k, v, group, lambda *t: torch.nn.functional.scaled_dot_product_attention(
         *t, is_causal=True, enable_gqa=True))
 
@@ -193,11 +193,11 @@ def overlap_rows(repeats: int) -> list[dict]:
     for s in (2048, 4096):
         q, k, v = qkv(b, hq, hkv, s // 2, hd)
 
-        def run(mode):
+        def run(mode, blocks="auto"):
             def step():
                 for x in (q, k, v):
                     x.grad = None
-                attention(mode, q, k, v, group).backward(torch.ones_like(q))
+                attention(mode, q, k, v, group, blocks).backward(torch.ones_like(q))
             return step
 
         real_ring = C._Ring
@@ -227,11 +227,7 @@ def overlap_rows(repeats: int) -> list[dict]:
             t_compute = timed(run("ring"), repeats)
         finally:
             C._Ring = real_ring
-        C.FUSED_CPU_BLOCKS = False
-        try:
-            t_explicit = timed(run("ring"), repeats)
-        finally:
-            C.FUSED_CPU_BLOCKS = True
+        t_explicit = timed(run("ring", "explicit"), repeats)
         t_p2p = timed(p2p_only, repeats)
         t_ulysses, t_a2a = timed(run("ulysses"), repeats), timed(a2a_only, repeats)
         times = torch.tensor([t_ring, t_compute, t_p2p, t_ulysses, t_a2a, t_explicit], dtype=torch.float64)

@@ -223,7 +223,8 @@ def run_pytest(out_dir: str, quick: bool) -> dict:
 
     xml = os.path.join(out_dir, "gpu_pytest.xml")
     units = ["tests/unit/test_kernels_norm.py"] if quick else \
-        [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")]
+        [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")] + \
+        ["tests/unit/test_ring_blocks.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", xml,
            "tests/gpu", *units, "-k", "cuda or test_triton_model"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -13,15 +13,17 @@ normalised by its own log-sum-exp; the partials merge exactly by log-sum-exp wei
 transfer is posted before the current block's compute, so the p2p hides behind it. Backward is a ring too:
 the K/V blocks travel again with their dK/dV accumulators (fp32), which arrive home after cp steps. GQA: the
 ring carries the K/V heads as they are (the saving GQA makes), expanded to the query heads per block.
-A block (a pair of chunks) is computed by one of two kernels; neither makes a chunk x chunk score matrix,
-and nothing s-squared is kept for backward (it recomputes each block's scores from q, k and the row
+A block (a pair of chunks) is computed by one of two kinds of kernel; neither makes a chunk x chunk score
+matrix, and nothing s-squared is kept for backward (it recomputes each block's scores from q, k and the row
 log-sum-exp):
-  fused     on CPU without dropout: torch's flash-attention kernel for CPU, which returns the block's
-            log-sum-exp, and its backward called with the merged output and log-sum-exp, which gives exactly
-            the block's share of dq, dk and dv (the softmax backward needs only those two row quantities)
-  explicit  otherwise: fp32 matmuls and softmax, ROW_TILE query rows at a time. Attention-probability
-            dropout draws one mask per tile, keyed by its chunk pair's global indices and first row. (On a
-            GPU this is the path; a fused CUDA block kernel returning the log-sum-exp is a follow-up.)
+  fused     without dropout: one of torch's fused attention kernels that return the block's log-sum-exp,
+            and its backward called with the merged output and log-sum-exp, which gives exactly the
+            block's share of dq, dk and dv (the softmax backward needs only those two row quantities):
+            on CPU the flash kernel for CPU (fp32); on CUDA FlashAttention-2 for fp16/bf16 with a head
+            dim of at most 256 (Ampere and later), else the memory-efficient kernel (fp32 too)
+  explicit  with dropout (or when asked): fp32 matmuls and softmax, ROW_TILE query rows at a time.
+            Attention-probability dropout draws one mask per tile, keyed by its chunk pair's global
+            indices and first row, so ring and serial attention drop the same probabilities.
 
 Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the sequence shards of every head into
 all of the sequence for cp-th of the heads; attention runs as the block's own SDPA (flash attention on a GPU);
@@ -35,6 +37,7 @@ steps) in p2p that hides behind compute when a block is big enough, and has no h
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,12 +68,13 @@ def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> tor
 
 class _Ring:
     """Passes a tensor one rank on around the cp group: post() sends ours and receives the previous rank's,
-    wait() returns what arrived."""
+    wait() returns what arrived. (Anything with size, rank, post and wait can stand in for it in a RingCall:
+    tests/unit/test_ring_blocks.py runs the ranks as threads of one process, on CPU or one GPU.)"""
 
     def __init__(self, group):
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (r + 1) % n)
-        self.prev = dist.get_global_rank(group, (r - 1) % n)
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.group = group
 
     def post(self, x: torch.Tensor):
@@ -90,12 +94,33 @@ class _Ring:
 # chunk, not heads x chunk x chunk (for a 128k sequence at cp=8, chunks of 8k tokens: 32 MiB a head, not 256).
 ROW_TILE = 1024
 
-# Use the fused CPU kernel for blocks without dropout (tests turn it off to check the explicit path alone).
-FUSED_CPU_BLOCKS = True
+BLOCKS = ("auto", "fused", "explicit")
 
 
-def _uses_fused_blocks(q: torch.Tensor, dropout_p: float) -> bool:
-    return FUSED_CPU_BLOCKS and dropout_p == 0 and q.device.type == "cpu"
+def fused_kernel(q: torch.Tensor) -> str | None:
+    """The fused kernel that computes q's blocks: cpu (torch's flash kernel for CPU), flash (FlashAttention-2:
+    CUDA, fp16/bf16, head dim a multiple of 8 up to 256, compute capability 8.0+), efficient (the
+    memory-efficient kernel: CUDA, any float dtype, head dim a multiple of 8); None where none applies."""
+    hd = q.shape[-1]
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type != "cuda" or hd % 8:
+        return None
+    if q.dtype in (torch.float16, torch.bfloat16) and hd <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0):
+        return "flash"
+    return "efficient"
+
+
+def _block_kernel(q: torch.Tensor, dropout_p: float, blocks: str) -> str | None:
+    """The fused kernel for this call's blocks, or None for the explicit path: auto takes the fused one
+    without dropout, fused insists on it, explicit never uses it."""
+    if blocks not in BLOCKS:
+        raise ValueError(f"blocks={blocks!r}: expected one of {', '.join(BLOCKS)}")
+    kernel = fused_kernel(q) if blocks != "explicit" and dropout_p == 0 else None
+    if blocks == "fused" and kernel is None:
+        raise ValueError(f"blocks=fused: no fused kernel for {q.device.type} {q.dtype} head dim {q.shape[-1]} "
+                         f"with dropout {dropout_p}; use blocks=auto")
+    return kernel
 
 
 def _blocks(cp: int, rank: int, source: int, chunk: int, tiled: bool):
@@ -111,17 +136,41 @@ def _blocks(cp: int, rank: int, source: int, chunk: int, tiled: bool):
                     yield qi, ki, slice(start, min(start + step, chunk)), gk == gq, (gq, gk, start)
 
 
-def _fused_forward(q, k, v, causal: bool, scale: float):
-    """One block by torch's CPU flash kernel in fp32: (output, log-sum-exp with a trailing unit dim)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.float(), k.float(), v.float(), 0.0, causal, scale=scale)
-    return out, lse.unsqueeze(-1)
+def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
+    """One block by a fused kernel: (output, fp32 log-sum-exp with a trailing unit dim, what its backward
+    needs from the forward besides the output and log-sum-exp). Equal-length query and key chunks, so a
+    causal mask is the usual one on the diagonal block."""
+    aten = torch.ops.aten
+    if kernel == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0, causal,
+                                                                     scale=scale)
+        return out, lse.unsqueeze(-1), None
+    if kernel == "flash":  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset, debug)
+        out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse.unsqueeze(-1), tuple(rest[:6])
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                           scale=scale)
+    # the kernel pads its log-sum-exp to a multiple of 32 rows; its backward wants that length back
+    return out, lse[..., :q.shape[2]].unsqueeze(-1), (seed, offset, lse.shape[-1])
 
 
-def _fused_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    """The block's dq, dk, dv given the merged output and log-sum-exp of its query rows (fp32)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q.float(), k.float(), v.float(), out, lse.squeeze(-1), 0.0, causal, scale=scale)
+def _fused_backward(kernel: str, aux, grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """The block's dq, dk, dv given the merged output and log-sum-exp of its query rows."""
+    aten, lse = torch.ops.aten, lse.squeeze(-1)
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, scale=scale)
+    grad_out, out = grad_out.to(q.dtype).contiguous(), out.to(q.dtype)
+    if kernel == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset,
+            scale=scale)
+    seed, offset, padded = aux
+    lse = F.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
@@ -172,85 +221,112 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
+@dataclass(frozen=True)
+class RingCall:
+    """What a ring attention call needs besides q, k and v: the ring, dropout (probability, mask key, tp rank)
+    and the fused block kernel (None: explicit blocks)."""
+    ring: object
+    dropout_p: float = 0.0
+    mask_key: Key = ()
+    tp_rank: int | None = None
+    kernel: str | None = None
+
+
+def ring_forward(q, k, v, call: RingCall):
+    """The ring's forward on this rank: (output in q's dtype, fp32 row log-sum-exp (b, heads, 2c, 1), what a
+    fused kernel's backward needs). Plain tensors, no autograd: _RingAttention wraps it (and tests run the
+    ranks as threads, which autograd's one CUDA worker thread could not)."""
+    ring, dropout_p, mask_key, tp_rank, kernel = call.ring, call.dropout_p, call.mask_key, call.tp_rank, call.kernel
+    cp, rank = ring.size, ring.rank
+    scale, heads, chunk = 1.0 / math.sqrt(q.shape[-1]), q.shape[1], q.shape[2] // 2
+    qs = q.chunk(2, dim=2)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
+    outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)  # views: the blocks update them in place
+    kv, aux = torch.stack([k, v]), None
+    for step in range(cp):
+        source = (rank - step) % cp
+        pending = ring.post(kv) if step < cp - 1 else None  # the next block travels during this compute
+        ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
+        for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=kernel is None):
+            if kernel is not None:
+                block_out, block_lse, aux = _fused_forward(kernel, qs[qi], ks[ki], vs[ki], causal, scale)
+            else:
+                keep = _keep(mask_key, place, tp_rank, rows, q, chunk, dropout_p)
+                block_out, block_lse = _explicit_forward(qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start,
+                                                         scale, keep)
+            o, l = outs[qi][:, :, rows], lses[qi][:, :, rows]
+            merged = torch.logaddexp(l, block_lse)
+            o.mul_(torch.exp(l - merged)).add_(block_out * torch.exp(block_lse - merged))
+            l.copy_(merged)
+        if pending is not None:
+            kv = ring.wait(pending)
+    return out.to(q.dtype), lse, aux  # aux: the same for every block (equal chunks, no dropout)
+
+
+def ring_backward(grad_out, q, k, v, out, lse, aux, call: RingCall):
+    """The ring's backward on this rank: dq, dk, dv (in the dtypes of q, k, v) from ring_forward's results."""
+    ring, dropout_p, kernel = call.ring, call.dropout_p, call.kernel
+    cp, rank = ring.size, ring.rank
+    scale, heads, kv_heads = 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
+    chunk = q.shape[2] // 2
+    do = grad_out if kernel is not None else grad_out.float()
+    qs, dos, lses = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2)
+    if kernel is not None:  # the kernel takes the merged output and derives rowsum(dO ∘ O) itself
+        outs = out.chunk(2, dim=2)
+    else:  # rowsum(dO ∘ O), with dropout too
+        deltas = (do * out.float()).sum(-1, keepdim=True).chunk(2, dim=2)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dqs = dq.chunk(2, dim=2)
+    kv, dkv_pending = torch.stack([k, v]), None
+    for step in range(cp):
+        source = (rank - step) % cp
+        kv_pending = ring.post(kv) if step < cp - 1 else None
+        ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
+        dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
+        dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
+        for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=kernel is None):
+            if kernel is not None:
+                grads = _fused_backward(kernel, aux, dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi],
+                                        causal, scale)
+            else:
+                keep = _keep(call.mask_key, place, call.tp_rank, rows, q, chunk, dropout_p)
+                grads = _explicit_backward(dos[qi][:, :, rows], qs[qi][:, :, rows], ks[ki], vs[ki],
+                                           lses[qi][:, :, rows], deltas[qi][:, :, rows], causal, rows.start,
+                                           scale, keep)
+            for acc, grad in zip((dqs[qi][:, :, rows], dks[ki], dvs[ki]), grads):
+                acc += grad
+        dkv = torch.stack([_fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)])
+        if dkv_pending is not None:  # what the ranks before us added to this block
+            dkv += ring.wait(dkv_pending)
+        dkv_pending = ring.post(dkv)  # on to the next holder; after cp steps it is home
+        if kv_pending is not None:
+            kv = ring.wait(kv_pending)
+    dk, dv = ring.wait(dkv_pending)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, dropout_p, mask_key, tp_rank):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        ring, scale, heads, chunk = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], q.shape[2] // 2
-        qs = q.chunk(2, dim=2)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
-        outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)  # views: the blocks update them in place
-        kv, fused = torch.stack([k, v]), _uses_fused_blocks(q, dropout_p)
-        for step in range(cp):
-            source = (rank - step) % cp
-            pending = ring.post(kv) if step < cp - 1 else None  # the next block travels during this compute
-            ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
-            for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=not fused):
-                if fused:
-                    block_out, block_lse = _fused_forward(qs[qi], ks[ki], vs[ki], causal, scale)
-                else:
-                    keep = _keep(mask_key, place, tp_rank, rows, q, chunk, dropout_p)
-                    block_out, block_lse = _explicit_forward(qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start,
-                                                             scale, keep)
-                o, l = outs[qi][:, :, rows], lses[qi][:, :, rows]
-                merged = torch.logaddexp(l, block_lse)
-                o.mul_(torch.exp(l - merged)).add_(block_out * torch.exp(block_lse - merged))
-                l.copy_(merged)
-            if pending is not None:
-                kv = ring.wait(pending)
-        result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
-        ctx.group, ctx.dropout_p, ctx.mask_key, ctx.tp_rank, ctx.fused = group, dropout_p, mask_key, tp_rank, fused
-        return result
+    def forward(ctx, q, k, v, call: RingCall):
+        out, lse, aux = ring_forward(q, k, v, call)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call, ctx.aux = call, aux
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, dropout_p = ctx.group, ctx.dropout_p
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        ring, scale, heads, kv_heads = _Ring(group), 1.0 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
-        chunk, do = q.shape[2] // 2, grad_out.float()
-        qs, dos, lses = q.chunk(2, dim=2), do.chunk(2, dim=2), lse.chunk(2, dim=2)
-        if ctx.fused:  # the kernel takes the merged output and derives rowsum(dO ∘ O) itself
-            outs = out.float().chunk(2, dim=2)
-        else:  # rowsum(dO ∘ O), with dropout too
-            deltas = (do * out.float()).sum(-1, keepdim=True).chunk(2, dim=2)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dqs = dq.chunk(2, dim=2)
-        kv, dkv_pending = torch.stack([k, v]), None
-        for step in range(cp):
-            source = (rank - step) % cp
-            kv_pending = ring.post(kv) if step < cp - 1 else None
-            ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
-            dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
-            dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
-            for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=not ctx.fused):
-                if ctx.fused:
-                    grads = _fused_backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], causal, scale)
-                else:
-                    keep = _keep(ctx.mask_key, place, ctx.tp_rank, rows, q, chunk, dropout_p)
-                    grads = _explicit_backward(dos[qi][:, :, rows], qs[qi][:, :, rows], ks[ki], vs[ki],
-                                               lses[qi][:, :, rows], deltas[qi][:, :, rows], causal, rows.start,
-                                               scale, keep)
-                for acc, grad in zip((dqs[qi][:, :, rows], dks[ki], dvs[ki]), grads):
-                    acc += grad
-            dkv = torch.stack([_fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)])
-            if dkv_pending is not None:  # what the ranks before us added to this block
-                dkv += ring.wait(dkv_pending)
-            dkv_pending = ring.post(dkv)  # on to the next holder; after cp steps it is home
-            if kv_pending is not None:
-                kv = ring.wait(kv_pending)
-        dk, dv = ring.wait(dkv_pending)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return *ring_backward(grad_out, *ctx.saved_tensors, ctx.aux, ctx.call), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, *, dropout_p: float = 0.0,
-                   mask_key: Key = (), tp_rank: int | None = None) -> torch.Tensor:
+                   mask_key: Key = (), tp_rank: int | None = None, blocks: str = "auto") -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys: q (b, heads, 2c, hd),
     k and v (b, kv_heads, 2c, hd), each holding chunks cp_chunks(cp, rank). Dropout masks are keyed by
-    mask_key + (query chunk, key chunk, first row of the tile) and tp_rank."""
-    return _RingAttention.apply(q, k, v, cp_group, dropout_p, tuple(mask_key), tp_rank)
+    mask_key + (query chunk, key chunk, first row of the tile) and tp_rank. blocks: auto (a fused kernel
+    without dropout where one applies, see fused_kernel), fused, or explicit."""
+    call = RingCall(_Ring(cp_group), dropout_p, tuple(mask_key), tp_rank, _block_kernel(q, dropout_p, blocks))
+    return _RingAttention.apply(q, k, v, call)
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------------------

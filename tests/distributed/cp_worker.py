@@ -112,9 +112,8 @@ def ring_matches_masked_attention(ctx: ParallelContext, worst: dict, p: float, f
     """Ring attention against plain causal attention, by autograd, with the same dropout masks (one per
     pair of global chunks and tile, parallel/context_parallel.py): output and the gradients of q, k and v
     (GQA). Without dropout both block kernels (fused: torch's CPU flash kernel; explicit) are checked; with
-    dropout the explicit one runs whatever FUSED_CPU_BLOCKS says."""
+    dropout the explicit one runs whatever blocks= asks for (auto)."""
     cp, r = ctx.cp_size, ctx.cp_rank
-    context_parallel.FUSED_CPU_BLOCKS = fused
     b, heads, kv_heads, s, hd = 2, 4, 2, 8 * cp, 8
     g = torch.Generator().manual_seed(11)
     q, k, v, grad = (torch.randn(b, h, s, hd, generator=g) for h in (heads, kv_heads, kv_heads, heads))
@@ -130,12 +129,12 @@ def ring_matches_masked_attention(ctx: ParallelContext, worst: dict, p: float, f
     local = [shard_sequence(x, 2, cp, r).requires_grad_() for x in (q, k, v)]
     calls, fused_forward = [], context_parallel._fused_forward
     context_parallel._fused_forward = lambda *args: calls.append(1) or fused_forward(*args)
-    got = ring_attention(*local, ctx.cp_group, dropout_p=p, mask_key=key)
+    got = ring_attention(*local, ctx.cp_group, dropout_p=p, mask_key=key, blocks="auto" if fused else "explicit")
     got.backward(shard_sequence(grad, 2, cp, r))
-    context_parallel.FUSED_CPU_BLOCKS, context_parallel._fused_forward = True, fused_forward
+    context_parallel._fused_forward = fused_forward
     kernel = "explicit" if p > 0 or not fused else "fused"
     if bool(calls) != (kernel == "fused"):
-        sys.exit(f"ring attention dropout={p} FUSED_CPU_BLOCKS={fused}: the fused kernel ran {len(calls)} times")
+        sys.exit(f"ring attention dropout={p} fused={fused}: the fused kernel ran {len(calls)} times")
     tag = f"ring attention cp={cp} dropout={p} ({kernel} blocks): output and dq, dk, dv"
     check(tag, relative_error(got, shard_sequence(want, 2, cp, r)), worst, "the dropped-out attention")
     for name, x, ref in zip("qkv", local, full):
