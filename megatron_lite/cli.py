@@ -14,7 +14,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, ConfigError, RunError, validate
+from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, validate
+from megatron_lite.errors import ConfigError, RunError
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 ConfigStore.instance().store(name="schema", node=Config)

@@ -18,17 +18,11 @@ from typing import Optional
 
 from omegaconf import MISSING
 
+from megatron_lite.errors import ConfigError
+from megatron_lite.pipeline.partition import layers_per_stage
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_PRESETS = ("tiny", "gpt2-124m", "gpt2-350m", "gpt-1.3b", "llama-7b", "llama-tiny")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; its message is one line: key, value, why, fix."""
-
-
-class RunError(RuntimeError):
-    """A run that cannot go on, said in one line (train.py exits 3): no sound checkpoint to resume, too many
-    non-finite steps in a row."""
 
 
 @dataclass
@@ -320,7 +314,7 @@ def validate(cfg: Config, world_size: int) -> None:
               f"world size {world_size}", f"pick tp*cp*pp among {_divisors(world_size)}")
     for key, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn)):
         if val % p.tp:
-            # KV heads are split, never replicated, so tp must divide them too (see parallel/tensor_parallel.py).
+            # KV heads are split, never replicated, so tp must divide them too (see model/parallelize.py).
             _fail("parallel.tp", p.tp, f"must divide {key}={val}", f"try {_divisors(val)}")
     if p.sp and m.seq_len % p.tp:
         _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
@@ -452,8 +446,6 @@ def _validate_cluster(c: ClusterConfig) -> None:
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:
-    from megatron_lite.pipeline.partition import layers_per_stage
-
     m, p, z, t = cfg.model, cfg.parallel, cfg.zero, cfg.train
     _choice("parallel.schedule", p.schedule, ("auto", "gpipe", "1f1b", "interleaved"))
     if p.vpp > 1 and p.pp == 1:

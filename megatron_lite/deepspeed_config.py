@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config
+from megatron_lite.errors import ConfigError
 
 
 def resolve_precision(cfg: Config) -> str:

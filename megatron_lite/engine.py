@@ -28,7 +28,7 @@ from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.schedules import resolve_schedule
-from megatron_lite.pipeline.tied import TiedEmbedding
+from megatron_lite.model.tied import TiedEmbedding
 
 
 @dataclass

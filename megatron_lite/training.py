@@ -25,7 +25,8 @@ from megatron_lite.checkpoint import weights as checkpoint_weights
 from megatron_lite.faults import stalls
 from megatron_lite.faults import stop
 from megatron_lite.checkpoint.writer import AsyncWriter
-from megatron_lite.config import Config, RunError, repo_path
+from megatron_lite.config import Config, repo_path
+from megatron_lite.errors import RunError
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
 from megatron_lite.deepspeed_config import deepspeed_config, resolve_precision

@@ -70,7 +70,7 @@ def main(argv=None) -> None:
 
     from megatron_lite.config import ModelConfig
     from megatron_lite.model.gpt import GPT
-    from megatron_lite.parallel.tensor_parallel import parallelize
+    from megatron_lite.model.parallelize import parallelize
 
     dist.init_process_group("gloo")
     t, rank = dist.get_world_size(), dist.get_rank()

@@ -70,7 +70,7 @@ def old_route(cfg, ctx):
     """The trainer's construction before model/build.py: the whole fp32 model allocated and initialised in
     place on every rank, then cut to the rank's chunks and sharded."""
     from megatron_lite.model.gpt import GPT
-    from megatron_lite.parallel.tensor_parallel import parallelize
+    from megatron_lite.model.parallelize import parallelize
     from megatron_lite.pipeline.partition import rank_chunks
 
     model = GPT(cfg.model, tp=ctx.tp_size, seed=cfg.seed, device="meta").to_empty(device="cpu")

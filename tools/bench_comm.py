@@ -96,7 +96,7 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
     from megatron_lite.engine import Engine
     from megatron_lite.model.gpt import GPT
     from megatron_lite.parallel.context import ParallelContext
-    from megatron_lite.parallel.tensor_parallel import parallelize
+    from megatron_lite.model.parallelize import parallelize
     from megatron_lite.config import repo_path
 
     cfg = load(overrides)

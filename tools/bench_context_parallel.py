@@ -67,7 +67,7 @@ def model_config(seq_len: int):
 
 def build(ctx, seq_len: int, mode: str = "ring"):
     from megatron_lite.model.gpt import GPT
-    from megatron_lite.parallel.cp_parallelize import cp_parallelize
+    from megatron_lite.model.parallelize_cp import cp_parallelize
 
     return cp_parallelize(GPT(model_config(seq_len), seed=1), ctx.cp_group, mode)
 

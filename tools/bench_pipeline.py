@@ -27,7 +27,7 @@
    Expected, with Psi parameters on a rank and n = dp: ZeRO-1 all-reduces every gradient once, in step()
    (2*(n-1)/n * 4*Psi bus bytes in fp32), then all-gathers the updated partitions ((n-1)/n * 4*Psi).
    ZeRO-2 reduces in each backward the gradients that backward made: the chunk's blocks m times, the tied
-   embedding once (pipeline/tied.py feeds its gradient through one extra backward after the schedule).
+   embedding once (model/tied.py feeds its gradient through one extra backward after the schedule).
 
 Left out: real layers (see bench_throughput.py), overlap of p2p with compute (the executor does not overlap).
 """
@@ -232,7 +232,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     from megatron_lite.engine import Engine
     from megatron_lite.model.gpt import GPT
     from megatron_lite.parallel.context import ParallelContext
-    from megatron_lite.parallel.tensor_parallel import parallelize
+    from megatron_lite.model.parallelize import parallelize
     from megatron_lite.pipeline.partition import rank_chunks
 
     micro = 2

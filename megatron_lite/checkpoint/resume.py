@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.store import META, read_meta
-from megatron_lite.config import RunError
+from megatron_lite.errors import ConfigError, RunError
+from megatron_lite.pipeline.partition import layers_per_stage
 
 
 def warn(text: str) -> None:
@@ -131,8 +132,6 @@ def saved_pipeline(layout: dict) -> tuple:
 
 
 def current_pipeline(cfg) -> tuple:
-    from megatron_lite.pipeline.partition import layers_per_stage
-
     p = cfg.parallel
     layers = layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
     return p.pp, p.vpp, tuple(layers) if p.pp * p.vpp > 1 else ()
@@ -142,7 +141,6 @@ def check_resume(cfg, world_size: int) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError)."""
     from dataclasses import asdict
 
-    from megatron_lite.config import ConfigError
     from megatron_lite.deepspeed_config import holds_bf16, resolve_precision
 
     resume, root = cfg.checkpoint.resume, cfg.checkpoint.dir

@@ -24,8 +24,8 @@ import torch.nn as nn
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext
-from megatron_lite.parallel.cp_parallelize import cp_parallelize
-from megatron_lite.parallel.tensor_parallel import parallelize
+from megatron_lite.model.parallelize_cp import cp_parallelize
+from megatron_lite.model.parallelize import parallelize
 from megatron_lite.pipeline.partition import rank_chunks
 
 

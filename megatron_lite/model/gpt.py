@@ -79,7 +79,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding whose lookup can use a stand-in weight (a pipeline's tied copy, see pipeline/tied.py)."""
+    """nn.Embedding whose lookup can use a stand-in weight (a pipeline's tied copy, see model/tied.py)."""
 
     def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         return F.embedding(tokens, self.weight if weight is None else weight)
@@ -102,7 +102,7 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tupl
 
 class WholeSequence:
     """How a rank holds each sequence: all of it, in order. Context parallelism swaps in a shard of it
-    (parallel/cp_parallelize.py: two of 2*cp chunks) with the same four members."""
+    (model/parallelize_cp.py: two of 2*cp chunks) with the same four members."""
 
     size = 1  # ranks that share one sequence
 
@@ -148,7 +148,7 @@ class Attention(nn.Module):
         self.rope = cfg.position == "rope"
         # This rank's TP rank when heads are split over TP (set by parallelize): part of the attention-dropout key.
         self.tp_rank: int | None = None
-        # Context parallelism (parallel/cp_parallelize.py): ring or Ulysses attention around `sdpa`, and this
+        # Context parallelism (model/parallelize_cp.py): ring or Ulysses attention around `sdpa`, and this
         # rank's cp rank where the attention core holds a cp-split part (Ulysses: a share of the heads).
         self.cp_attention: Callable | None = None
         self.cp_rank: int | None = None
@@ -261,7 +261,7 @@ class LMHead(nn.Module):
 
 
 class GPT(nn.Module):
-    TIED_WEIGHT = -1  # forward(None, chunk=TIED_WEIGHT): the tied embedding weight as an output (pipeline/tied.py)
+    TIED_WEIGHT = -1  # forward(None, chunk=TIED_WEIGHT): the tied embedding weight as an output (model/tied.py)
 
     def __init__(self, cfg: ModelConfig, tp: int = 1, *, seed: int = 0, device: torch.device | str | None = None):
         """Build on the meta device (no memory, no random draws), then materialise on `device` (CPU by default)
@@ -284,7 +284,7 @@ class GPT(nn.Module):
                 self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim), persistent=False)
         self.sequence = WholeSequence()  # how this rank holds each sequence (context parallelism: a shard)
         self.recomputed_blocks: frozenset[int] = frozenset()
-        self.tied = None  # pipeline/tied.TiedEmbedding when a pipeline splits the tied embedding over two stages
+        self.tied = None  # model/tied.TiedEmbedding when a pipeline splits the tied embedding over two stages
         # The whole model is one chunk until keep_chunks() cuts it down to a pipeline rank's share.
         self.chunks = [ChunkSpec(chunk=0, virtual_stage=0, layers=range(cfg.n_layers), has_embedding=True,
                                  has_head=True)]
@@ -340,7 +340,7 @@ class GPT(nn.Module):
 
     def embedding_weight(self) -> torch.Tensor:
         """wte.weight, or, when a pipeline holds the tied embedding on two stages, a stand-in whose gradient is
-        summed over both stages before DeepSpeed sees it (pipeline/tied.py)."""
+        summed over both stages before DeepSpeed sees it (model/tied.py)."""
         return self.wte.weight if self.tied is None else self.tied.stand_in()
 
     def head_weight(self) -> torch.Tensor:

@@ -178,7 +178,7 @@ class VocabParallelEmbedding(nn.Module):
         return _load_full(layer, emb)
 
     def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """weight: a stand-in for self.weight (a pipeline's tied copy, see pipeline/tied.py)."""
+        """weight: a stand-in for self.weight (a pipeline's tied copy, see model/tied.py)."""
         weight = self.weight if weight is None else weight
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= weight.shape[0])

@@ -70,7 +70,7 @@ def cp_key(key: Key, cp_rank: int | None) -> Key:
 class KeyedDropout(nn.Module):
     """Dropout whose mask is a function of its key. `tp_rank` is set (by parallelize) when this module drops
     elements of a TP-split activation (sequence shards under SP), None when every TP rank holds the same one;
-    `cp_rank` likewise when context parallelism splits the sequence (parallel/cp_parallelize.py)."""
+    `cp_rank` likewise when context parallelism splits the sequence (model/parallelize_cp.py)."""
 
     def __init__(self, p: float):
         super().__init__()

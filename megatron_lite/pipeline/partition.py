@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 
 @dataclass(frozen=True)

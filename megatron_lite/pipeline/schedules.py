@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 SCHEDULE_CHOICES = ("auto", "gpipe", "1f1b", "interleaved")
 

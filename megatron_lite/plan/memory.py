@@ -76,7 +76,7 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     wte = padded_vocab(cfg, lay.tp) // lay.tp * cfg.d_model
     tied_copy = lay.pp > 1 and cfg.tie_embeddings and (first or last)
     if tied_copy:
-        buffers += 4 * wte  # pipeline/tied.py's fp32 gradient accumulator
+        buffers += 4 * wte  # model/tied.py's fp32 gradient accumulator
 
     recomputed = set(range(0, cfg.n_layers, lay.recompute_every)) if lay.recompute == "full" else set()
     kept_mode = "selective" if lay.recompute == "selective" else "none"

@@ -22,7 +22,7 @@ from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.model.layout import segments_of
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext, init_distributed
-from megatron_lite.parallel.tensor_parallel import parallelize
+from megatron_lite.model.parallelize import parallelize
 from megatron_lite.pipeline.partition import rank_chunks
 
 # vocab_multiple=48 pads the vocabulary to 1008 rows at tp=1 and to 1056 at tp=2, so the check against tp=1

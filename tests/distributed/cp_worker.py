@@ -26,10 +26,10 @@ from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.parallel import context_parallel
 from megatron_lite.parallel.context_parallel import ring_attention, shard_sequence
-from megatron_lite.parallel.cp_parallelize import cp_parallelize
+from megatron_lite.model.parallelize_cp import cp_parallelize
 from megatron_lite.parallel.layers import shard_segments
 from megatron_lite.parallel.random import keep_mask
-from megatron_lite.parallel.tensor_parallel import parallelize
+from megatron_lite.model.parallelize import parallelize
 from tests.distributed.tp_worker import FLAVOURS, relative_error, report_and_finish, segments_of
 
 # In fp32 the cp model only reorders additions: attention over key blocks merged by log-sum-exp (ring) or

@@ -21,7 +21,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model import gpt as gpt_module
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel import random as tp_random
-from megatron_lite.parallel.tensor_parallel import parallelize
+from megatron_lite.model.parallelize import parallelize
 
 
 def gather(t: torch.Tensor) -> list[torch.Tensor]:

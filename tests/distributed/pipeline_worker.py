@@ -28,7 +28,7 @@ from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule
-from megatron_lite.pipeline.tied import TiedEmbedding
+from megatron_lite.model.tied import TiedEmbedding
 
 FLAVOURS = {
     "gpt2-tied": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),

@@ -1,5 +1,6 @@
 """checkpoint.async_save: a resume from an asynchronous checkpoint continues the straight run exactly (1e-6, as
-the synchronous exact resumes in test_resume.py), on every ZeRO stage and at pp=2 x tp=2; a rank SIGKILLed while
+the synchronous exact resumes in test_resume.py), on every ZeRO stage, at pp=2 x tp=2, with CPU offload and at
+cp=2, and through the universal conversion to another DP size (1e-4); a rank SIGKILLed while
 its background write runs (a slow disk, injected) leaves the previous checkpoint as `latest`, and the restart
 continues from it. The writer's commit rules are unit-tested in tests/unit/test_checkpoint_writer.py."""
 
@@ -39,6 +40,34 @@ def test_exact_resume_from_an_async_checkpoint(stage, tmp_path):
 def test_exact_resume_from_an_async_checkpoint_pp2_tp2(tmp_path):
     straight, resumed = straight_then_resumed(4, tmp_path, ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", *ASYNC])
     assert_continues(resumed, straight, 1e-6, "pp=2 x tp=2, async checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["zero.stage=2", "zero.offload_optimizer=cpu"]),
+    (2, ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"]),
+    (2, ["parallel.cp=2", "zero.stage=1"]),
+], ids=["zero2-offload-optimizer", "zero3-offload-all", "cp2-ring"])
+def test_exact_resume_from_an_async_checkpoint_offload_and_cp(nproc, layout, tmp_path):
+    """The staging copy reads the optimizer and parameter states where offload keeps them (host memory), and
+    a cp group's ranks (same weights, other tokens) each stage their own files."""
+    straight, resumed = straight_then_resumed(nproc, tmp_path, [*layout, *ASYNC])
+    assert_continues(resumed, straight, 1e-6, f"{' '.join(layout)}, async checkpoint")
+
+
+@pytest.mark.slow
+def test_async_checkpoint_converts_for_another_dp_size(tmp_path):
+    """An asynchronous checkpoint written at dp=2 (ZeRO-2) resumes at dp=1 through the universal conversion,
+    continuing the uninterrupted run within 1e-4 (as the synchronous elastic resumes in test_resume.py)."""
+    (straight,) = run_configs(2, [overrides(tmp_path, "dp2", *STEPS8, "checkpoint.interval=4", "zero.stage=2",
+                                            *ASYNC)], tmp_path)
+    (resized,) = run_configs(1, [overrides(tmp_path, "dp1", *STEPS8, "zero.stage=2", *ASYNC,
+                                           f"checkpoint.dir={tmp_path}/dp1_ckpt",
+                                           f"checkpoint.resume={tmp_path}/dp2/checkpoints/{step_name(4)}")],
+                             tmp_path)
+    assert len(resized["losses"]) == 4
+    assert_continues(resized, straight, 1e-4, "async checkpoint, dp 2 -> 1 resume")
+    assert latest_checkpoint(f"{tmp_path}/dp1_ckpt") == os.path.join(f"{tmp_path}/dp1_ckpt", step_name(8))
 
 
 def test_rank_killed_during_a_background_write(tmp_path):

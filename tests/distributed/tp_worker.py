@@ -18,7 +18,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model import layout
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.layers import shard_segments
-from megatron_lite.parallel.tensor_parallel import parallelize
+from megatron_lite.model.parallelize import parallelize
 
 FLAVOURS = {
     "gpt2": dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=16),

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_lite.checkpoint.resume import data_stream_changes, needs_universal, same_layout, saved_pipeline
 from megatron_lite.cli import load
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 
 def meta(**layout):

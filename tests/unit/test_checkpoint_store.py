@@ -11,7 +11,7 @@ import pytest
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.resume import first_sound
 from megatron_lite.cli import load
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 
 def commit(root, step: int, files: dict[str, bytes] | None = None, move_latest: bool = True) -> str:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megatron_lite.cli import compose_config, load
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.pipeline.partition import (
     layers_per_stage,
     rank_chunks,

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from megatron_lite.config import ConfigError
+from megatron_lite.errors import ConfigError
 from megatron_lite.pipeline.schedules import (
     P2P,
     Comm,
