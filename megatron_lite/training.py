@@ -191,16 +191,26 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict
                        "layers_per_stage": layers},
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
-        t0 = time.perf_counter()
+        t0, out = time.perf_counter(), {}
         if writer is None:
             path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
-        else:
+        else:  # the previous save is still being written: wait for it (the wait counts as blocked), report it
+            out = written_out(writer.wait(reason=f"checkpoint of step {step}"))
             path = checkpoint.save_async(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, writer)
         blocked = time.perf_counter() - t0
         set_collective_timeout(cfg.dist.step_timeout_s)
         logger.print(f"saved {path} (the loop waited {blocked:.2f} s)" if writer is None else
                      f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)")
-        return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if writer is None else {})}
+        return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if writer is None else out)}
+
+    def written_out(written: float | None) -> dict:
+        """An asynchronous save's write time, said and logged on the step it is known (a later save's, when
+        that one had to wait for it; on the last step, the last save's)."""
+        if written is None:
+            return {}
+        logger.print(f"checkpoint of step {writer.step} written" + (" and committed" if ctx.is_first else "")
+                     + f" in {written:.2f} s in the background")
+        return {"ckpt_write_s": written}
 
     losses, grad_norms, step, stopped = [], [], start_step, False
     if stop.agreed(ctx.device):  # a signal during start-up: nothing has trained, so nothing to save
@@ -244,11 +254,8 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict
             record.update(save(step))
         if writer is not None:  # an asynchronous save's write time, on the step it is known
             last = stopped or fatal or step == cfg.train.steps
-            written = writer.wait(reason="stop signal" if stopped else "end of the run") if last else writer.finished()
-            if written is not None:
-                record["ckpt_write_s"] = written
-                logger.print(f"checkpoint of step {writer.step} written" + (" and committed" if ctx.is_first else "")
-                             + f" in {written:.2f} s in the background")
+            record.update(written_out(writer.wait(reason="stop signal" if stopped else "end of the run") if last
+                                      else writer.finished()))
         logger.log(step, record)
         stalls.note_step(step)
         losses.append(loss)
