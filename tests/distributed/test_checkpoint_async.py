@@ -6,14 +6,13 @@ continues from it. The writer's commit rules are unit-tested in tests/unit/test_
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
 from tests.distributed.common import overrides
-from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
-from tests.distributed.test_resume import STEPS8, assert_continues, straight_then_resumed
+from tests.distributed.launcher import run_configs
+from tests.distributed.test_resume import STEPS8, assert_continues, killed_writing_step_4, straight_then_resumed
 
 ASYNC = ["checkpoint.async_save=true"]
 
@@ -78,13 +77,7 @@ def test_rank_killed_during_a_background_write(tmp_path):
     on. `latest` stays step 2, step 4 has no meta.json, and the restart continues the straight trajectory."""
     args = overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1", *ASYNC)
     ckpt = f"{tmp_path}/run/checkpoints"
-    env = rank_env(KILL_RANK="1", KILL_TAG=step_name(4), SLOW_WRITE_S="4")
-    crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
-                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    clean_shared_memory()
-    assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
-    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(2))
-    assert not os.path.exists(os.path.join(ckpt, step_name(4), "meta.json"))
+    killed_writing_step_4(args, ckpt, SLOW_WRITE_S="4")
     logged = [r["step"] for r in _metrics(f"{tmp_path}/run")]
     assert 5 in logged, f"the loop waited for the write instead of training on: {logged}"
 

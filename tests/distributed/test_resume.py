@@ -61,19 +61,25 @@ def test_exact_resume_with_tensor_parallel_and_dropout(tmp_path):
 
 
 # `slow` (make test-fast skips it): each feature keeps its cheapest case, or the one covering the most, in the
+def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> None:
+    """Run 2 ranks of fault_worker.py, rank 1 SIGKILLed while it writes step 4's checkpoint (env: more fault
+    knobs); the job fails, `latest` stays step 2 and step 4 never commits."""
+    crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
+                             env=rank_env(KILL_RANK="1", KILL_TAG=step_name(4), **env), cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    clean_shared_memory()
+    assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
+    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(2))
+    assert not os.path.exists(os.path.join(ckpt, step_name(4), "meta.json"))
+
+
 # quick tier; the other layouts of the same feature run in `make test`.
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     """Rank 1 dies while writing step 4; the restart must load step 2 and continue the same trajectory."""
     args = overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", f"zero.stage={stage}")
     ckpt = f"{tmp_path}/run/checkpoints"
-    env = rank_env(KILL_RANK="1", KILL_TAG=step_name(4))
-    crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
-                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    clean_shared_memory()
-    assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
-    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(2))
-    assert not os.path.exists(os.path.join(ckpt, step_name(4), "meta.json"))
+    killed_writing_step_4(args, ckpt)
 
     (resumed,) = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
                                               f"zero.stage={stage}"]], tmp_path)
