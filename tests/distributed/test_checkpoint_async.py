@@ -29,10 +29,11 @@ def test_exact_resume_from_an_async_checkpoint(stage, tmp_path):
     straight, resumed = straight_then_resumed(2, tmp_path, [f"zero.stage={stage}", *ASYNC])
     records = _metrics(f"{tmp_path}/straight")
     assert all(r["ckpt_block_s"] >= 0 for r in records if r["step"] in (4, 8)), records
-    # each save's write time, logged on the step it is known: step 4's on a step from 5 to 8 (on 8 when step 8's
-    # save had to wait for it, and then step 8's own write time takes its place), step 8's on step 8
+    # each save's write time, logged on the step it is known: step 4's on a step from 4 (a write done before the
+    # loop looked) to 8 (when step 8's save had to wait for it, and step 8's own write time then takes its
+    # place), step 8's on step 8
     written = [r["step"] for r in records if "ckpt_write_s" in r]
-    assert written in ([8], [5, 8], [6, 8], [7, 8]), records
+    assert written[-1:] == [8] and len(written) <= 2 and all(4 <= s <= 8 for s in written), records
     assert_continues(resumed, straight, 1e-6, f"zero.stage={stage}, async checkpoint")
     assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
     assert not [n for n in os.listdir(os.path.join(ckpt, step_name(8))) if n.startswith(".share")]
