@@ -24,11 +24,12 @@ from megatron_lite.deepspeed_config import deepspeed_config, param_groups, resol
 from megatron_lite.deepspeed_repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
                                              restore_group_hyperparameters, sum_zero3_gradients_over_cp,
                                              zero_offload_accumulators)
+from megatron_lite.layout import Layout
 from megatron_lite.model.layout import universal_split_patterns
+from megatron_lite.model.tied import TiedEmbedding
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.schedules import resolve_schedule
-from megatron_lite.model.tied import TiedEmbedding
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Engine:
             honour_explicit_zero3_dtype()
         self.ds_config = deepspeed_config(cfg, ctx.dp_size, load_universal)
         t = cfg.train
-        self.accum = t.global_batch_size // (t.micro_batch_size * ctx.dp_size)  # micro-batches per step
+        self.accum = Layout.of_run(cfg, ctx.world_size).accumulation  # micro-batches per step on each pipeline
         if ctx.pp_size > 1 and cfg.model.tie_embeddings and model.wte is not None:  # first and last stage
             model.tied = TiedEmbedding(model.wte.weight, ctx.embed_group, is_head_copy=ctx.pp_rank == ctx.pp_size - 1)
         self.module, _, _, _ = deepspeed.initialize(

@@ -27,6 +27,7 @@ from megatron_lite.faults import stop
 from megatron_lite.checkpoint.writer import AsyncWriter
 from megatron_lite.config import Config, repo_path
 from megatron_lite.errors import RunError
+from megatron_lite.layout import Layout
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
 from megatron_lite.deepspeed_config import deepspeed_config, resolve_precision
@@ -37,7 +38,6 @@ from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
-from megatron_lite.pipeline.partition import layers_per_stage
 
 
 def seed_all(seed: int) -> None:
@@ -116,10 +116,9 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict
 
     weights = checkpoint_weights.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
     p = cfg.parallel
-    pipe = checkpoint_resume.current_pipeline(cfg)  # (pp, vpp, layers per virtual stage), compared with a checkpoint's
-    layers = layers_per_stage(cfg.model.n_layers, ctx.pp_size, p.vpp, p.pp_layers)
-    universal = meta is not None and checkpoint_resume.needs_universal(meta, ctx.dp_size, ctx.tp_size, cfg.zero.stage, pipe,
-                                                                ctx.cp_size)
+    layout = Layout.of_run(cfg, ctx.world_size, resolve_precision(cfg))
+    layers = list(layout.layers_per_stage)
+    universal = meta is not None and meta["kind"] == "deepspeed" and layout.needs_conversion(Layout.of_checkpoint(meta))
     partition, build_dtype = None, torch.float32
     if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
         if cfg.zero.offload_param == "nvme":
@@ -137,7 +136,7 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict
     start_step, consumed, wandb_id = 0, 0, None
     if meta is not None:
         if meta["kind"] == "deepspeed":
-            meta = checkpoint.load(engine, ctx, resume_path, cfg.zero.stage, pipe)
+            meta = checkpoint.load(engine, ctx, resume_path, layout)
         start_step, consumed, wandb_id = meta["step"], meta["consumed_samples"], meta.get("wandb_id")
 
     data = TokenData(repo_path(cfg.data.path))
@@ -185,10 +184,7 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict
     def save(step: int) -> dict:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
-            "layout": {"world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "cp": ctx.cp_size,
-                       "cp_mode": p.cp_mode, "pp": ctx.pp_size,
-                       "vpp": p.vpp, "zero_stage": cfg.zero.stage, "precision": resolve_precision(cfg),
-                       "layers_per_stage": layers},
+            "layout": layout.to_meta(),
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}

@@ -34,6 +34,7 @@ from megatron_lite.checkpoint.store import step_name  # noqa: E402
 from megatron_lite.checkpoint.writer import AsyncWriter  # noqa: E402
 from megatron_lite.cli import compose_config  # noqa: E402
 from megatron_lite.engine import Engine  # noqa: E402
+from megatron_lite.layout import Layout  # noqa: E402
 from megatron_lite.model.build import build_model  # noqa: E402
 from megatron_lite.parallel.context import ParallelContext, init_distributed  # noqa: E402
 from tools.bench_gpu import git_commit  # noqa: E402
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
     last = os.path.join(root, step_name(2 * args.saves))
     size = state_bytes(last)
     t0 = time.perf_counter()
-    checkpoint.load(engine, ctx, last, cfg.zero.stage)
+    checkpoint.load(engine, ctx, last, Layout.of_run(cfg, ctx.world_size))
     load_s = time.perf_counter() - t0
     record = {
         "bench": "checkpoint", "model": args.model, "state_gib": round(size / 2**30, 3),

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.store import META, read_meta
 from megatron_lite.errors import ConfigError, RunError
-from megatron_lite.pipeline.partition import layers_per_stage
+from megatron_lite.layout import Layout
 
 
 def warn(text: str) -> None:
@@ -84,13 +84,6 @@ def first_sound(root: str) -> str | None:
 
 # --- layouts -------------------------------------------------------------------------------------------
 
-def same_layout(layout: dict, ctx, zero_stage: int, pipe: tuple | None) -> bool:
-    """Whether a checkpoint was written with this job's whole layout: dp, tp, cp, pipeline and ZeRO stage."""
-    saved = (layout["world_size"], layout["dp"], layout.get("tp", 1), layout.get("cp", 1), layout["zero_stage"])
-    return saved == (ctx.world_size, ctx.dp_size, ctx.tp_size, ctx.cp_size, zero_stage) and \
-        (pipe is None or saved_pipeline(layout) == pipe)
-
-
 # The settings that decide which samples each step sees (data/sampler.py); model.seq_len is checked with the
 # model (check_resume).
 DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("train", "global_batch_size"))
@@ -109,32 +102,6 @@ def data_stream_changes(saved_config: dict, cfg) -> list[str]:
         if old is not None and old != new:
             out.append(f"{'.'.join(key)}: {old} -> {new}")
     return out
-
-
-def needs_universal(meta: dict, dp_size: int, tp_size: int, zero_stage: int, pipe: tuple | None = None,
-                    cp_size: int = 1) -> bool:
-    """A ZeRO checkpoint goes through the universal format when the number of ZeRO partitions (dp x cp: the
-    parameters are replicated over cp), the TP size, the stage or the pipeline layout (pp, vpp, layers per
-    virtual stage) changes. pipe: the current (pp, vpp, layers_per_stage)."""
-    layout = meta.get("layout")
-    if meta.get("kind") != "deepspeed" or layout["zero_stage"] == 0:
-        return False
-    if pipe is not None and pipe != saved_pipeline(layout):
-        return True
-    saved = (layout["dp"] * layout.get("cp", 1), layout.get("tp", 1), layout["zero_stage"])
-    return saved != (dp_size * cp_size, tp_size, zero_stage)
-
-
-def saved_pipeline(layout: dict) -> tuple:
-    """(pp, vpp, layers per virtual stage) a checkpoint was written with (older ones: no pipeline)."""
-    pp, vpp = layout.get("pp", 1), layout.get("vpp", 1)
-    return pp, vpp, tuple(layout.get("layers_per_stage") or ()) if pp * vpp > 1 else ()  # as current_pipeline
-
-
-def current_pipeline(cfg) -> tuple:
-    p = cfg.parallel
-    layers = layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)
-    return p.pp, p.vpp, tuple(layers) if p.pp * p.vpp > 1 else ()
 
 
 def check_resume(cfg, world_size: int) -> None:
@@ -167,19 +134,19 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
                               f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
-        saved_pipe, pipe = saved_pipeline(meta["layout"]), current_pipeline(cfg)
-        saved_stage = meta["layout"]["zero_stage"]
+        saved = Layout.of_checkpoint(meta)
+        saved_pipe, pipe, saved_stage = saved.pipeline, Layout.of_run(cfg, world_size).pipeline, saved.zero_stage
         if saved_pipe != pipe and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
             raise ConfigError(f"parallel.pp={cfg.parallel.pp} (vpp {pipe[1]}) cannot resume {path}, written at "
                               f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {list(saved_pipe[2])}) with "
                               f"zero.stage={saved_stage}; pipeline resharding works between ZeRO stages 1 and 2: use "
                               f"the saved layout, or save and resume with zero.stage=1 or 2")
-        saved_tp, saved_stage = meta["layout"].get("tp", 1), meta["layout"]["zero_stage"]
+        saved_tp = saved.tp
         if saved_tp != cfg.parallel.tp and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
                               f"with zero.stage={saved_stage}; TP resharding works between ZeRO stages 1 and 2: "
                               f"use parallel.tp={saved_tp}, or save and resume with zero.stage=1 or 2")
-        saved_precision = meta["layout"].get("precision")  # resolved (auto -> bf16/fp32); absent before bf16 fixes
+        saved_precision = saved.precision  # resolved (auto -> bf16/fp32); absent before the bf16 fixes
         precision = resolve_precision(cfg)
         if saved_precision is not None and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage):
             raise ConfigError(f"train.precision={cfg.train.precision} ({precision} at zero.stage={cfg.zero.stage}) cannot "

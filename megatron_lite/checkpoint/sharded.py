@@ -3,7 +3,7 @@ through checkpoint/store.py: fsync, manifest, `latest`, pruning) and load, with 
 a change of layout needs.
 
 Elastic resume: when the checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage or pipeline
-layout differs from the current job's (checkpoint_resume.needs_universal), rank 0 converts it once into
+layout differs from the current job's (layout.Layout.needs_conversion), rank 0 converts it once into
 DeepSpeed's universal (layout-free) format beside the shards (path/universal), and every rank loads that. TP
 shards merge and re-split by the split patterns the engine saved with the checkpoint
 (model/layout.universal_split_patterns). The same conversion gives checkpoint_weights.py the full weights of
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.resume import needs_universal, same_layout, warn
+from megatron_lite.checkpoint.resume import warn
+from megatron_lite.layout import Layout
 from megatron_lite.checkpoint.store import LATEST, META, UNIVERSAL, atomic_write, read_meta, step_name
 
 # --- RNG streams ------------------------------------------------------------------------------------------
@@ -189,11 +190,12 @@ def prepare_universal(path: str, ctx) -> None:
     dist.barrier()
 
 
-def load(engine, ctx, path: str, zero_stage: int, pipe: tuple | None = None) -> dict:
-    """Collective: load `path` into the engine, restore this rank's RNG streams; return meta. pipe: the
-    current (pp, vpp, layers per virtual stage), see current_pipeline."""
+def load(engine, ctx, path: str, layout: Layout) -> dict:
+    """Collective: load `path` into the engine of this job's `layout`, restore this rank's RNG streams; return
+    meta."""
     meta = read_meta(path)
-    if needs_universal(meta, ctx.dp_size, ctx.tp_size, zero_stage, pipe, ctx.cp_size):
+    saved = Layout.of_checkpoint(meta)
+    if layout.needs_conversion(saved):
         prepare_universal(path, ctx)
         engine.load(path, UNIVERSAL)
     else:
@@ -202,7 +204,7 @@ def load(engine, ctx, path: str, zero_stage: int, pipe: tuple | None = None) -> 
     # rank r would now play another role): every rank takes rank 0's streams, the same on every rank whatever
     # the layout. Dropout masks follow either way: they are keyed by the step, not drawn from these streams.
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
-    load_rng(own, meta, same_layout(meta["layout"], ctx, zero_stage, pipe) and os.path.isfile(own))
+    load_rng(own, meta, layout.same_as(saved) and os.path.isfile(own))
     return meta
 
 

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_lite.checkpoint.resume import data_stream_changes, needs_universal, same_layout, saved_pipeline
+from megatron_lite.checkpoint.resume import data_stream_changes
 from megatron_lite.cli import load
 from megatron_lite.errors import ConfigError
+from megatron_lite.layout import Layout
 
 
 def meta(**layout):
@@ -16,22 +17,43 @@ def meta(**layout):
     return {"kind": "deepspeed", "layout": {**base, **layout}}
 
 
+def saved(**layout) -> Layout:
+    return Layout.of_checkpoint(meta(**layout))
+
+
+def run(dp: int, zero_stage: int, pipeline: tuple = (1, 1, ()), tp: int = 1, cp: int = 1) -> Layout:
+    """This job's layout: dp x tp x cp x pp ranks, pipeline (pp, vpp, layers per virtual stage)."""
+    pp, vpp, layers = pipeline
+    return Layout(world_size=dp * tp * cp * pp, dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, zero_stage=zero_stage,
+                  layers_per_stage=layers or (4,))
+
+
 def test_same_layout_loads_directly():
     # meta.json records layers_per_stage even at pp=1; that must not read as a pipeline change
-    assert saved_pipeline(meta()["layout"]) == (1, 1, ())
-    assert not needs_universal(meta(), 2, 1, 3, (1, 1, ()))
-    assert not needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (2, 1, (2, 2)))
+    assert saved().pipeline == (1, 1, ())
+    assert not run(2, 3).needs_conversion(saved())
+    assert not run(2, 3, (2, 1, (2, 2))).needs_conversion(saved(pp=2, layers_per_stage=[2, 2]))
 
 
 def test_layout_changes_convert():
-    assert needs_universal(meta(), 1, 1, 3, (1, 1, ()))                                # dp
-    assert needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (1, 1, ()))  # pp
-    assert needs_universal(meta(pp=2, layers_per_stage=[2, 2]), 2, 1, 3, (2, 1, (1, 3)))  # layer split
-    assert not needs_universal(meta(zero_stage=0, pp=2, layers_per_stage=[2, 2]), 2, 1, 0, (1, 1, ()))  # ZeRO-0: never
+    assert run(1, 3).needs_conversion(saved())                                                 # dp
+    assert run(2, 3).needs_conversion(saved(pp=2, layers_per_stage=[2, 2]))                   # pp
+    assert run(2, 3, (2, 1, (1, 3))).needs_conversion(saved(pp=2, layers_per_stage=[2, 2]))   # layer split
+    assert not run(2, 0).needs_conversion(saved(zero_stage=0, pp=2, layers_per_stage=[2, 2]))  # ZeRO-0: never
     # ZeRO partitions over dp x cp (parameters are replicated over cp): their number is what matters
-    assert needs_universal(meta(), 2, 1, 3, (1, 1, ()), cp_size=2)                     # dp 2 -> dp 2 x cp 2
-    assert not needs_universal(meta(), 1, 1, 3, (1, 1, ()), cp_size=2)                 # dp 2 -> dp 1 x cp 2
-    assert needs_universal(meta(dp=1, cp=2), 1, 1, 3, (1, 1, ()))                      # dp 1 x cp 2 -> dp 1
+    assert run(2, 3, cp=2).needs_conversion(saved())                                           # dp 2 -> dp 2 x cp 2
+    assert not run(1, 3, cp=2).needs_conversion(saved())                                       # dp 2 -> dp 1 x cp 2
+    assert run(1, 3).needs_conversion(saved(dp=1, cp=2))                                       # dp 1 x cp 2 -> dp 1
+
+
+def test_layout_round_trips_through_meta_and_owns_the_accumulation():
+    cfg = load(["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=16", "train.micro_batch_size=2",
+                "model.n_layers=8"], world_size=4)
+    here = Layout.of_run(cfg, 4, "fp32")
+    assert (here.dp, here.pp, here.vpp, here.layers_per_stage, here.accumulation) == (2, 2, 2, (2, 2, 2, 2), 4)
+    back = Layout.of_checkpoint({"layout": here.to_meta(), "config": {"train": {"global_batch_size": 16,
+                                                                                 "micro_batch_size": 2}}})
+    assert back == here and here.same_as(back) and not here.needs_conversion(back)
 
 
 def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_path):
@@ -54,12 +76,12 @@ def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_pat
 
 
 def test_rng_streams_continue_only_at_the_same_layout():
-    layout = {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "vpp": 1, "zero_stage": 2, "layers_per_stage": [4]}
-    ctx = SimpleNamespace(world_size=4, dp_size=2, tp_size=2, cp_size=1)
-    assert same_layout(layout, ctx, 2, (1, 1, ()))
-    assert not same_layout(layout, SimpleNamespace(world_size=4, dp_size=1, tp_size=4, cp_size=1), 2, (1, 1, ()))
-    assert not same_layout(layout, SimpleNamespace(world_size=4, dp_size=1, tp_size=2, cp_size=2), 2, (1, 1, ()))
-    assert not same_layout(layout, ctx, 1, (1, 1, ()))
+    written = Layout.of_checkpoint({"layout": {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "vpp": 1, "zero_stage": 2,
+                                               "layers_per_stage": [4]}})
+    assert run(2, 2, tp=2).same_as(written)
+    assert not run(1, 2, tp=4).same_as(written)
+    assert not run(1, 2, tp=2, cp=2).same_as(written)
+    assert not run(2, 1, tp=2).same_as(written)
 
 
 def test_data_stream_changes_are_named_by_key():
