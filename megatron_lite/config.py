@@ -20,6 +20,7 @@ from omegaconf import MISSING
 
 from megatron_lite.errors import ConfigError
 from megatron_lite.pipeline.partition import layers_per_stage
+from megatron_lite.pipeline.schedules import SCHEDULE_CHOICES, SPLIT_BACKWARD, resolve_schedule
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_PRESETS = ("tiny", "gpt2-124m", "gpt2-350m", "gpt-1.3b", "llama-7b", "llama-tiny")
@@ -88,7 +89,8 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism alongside tensor parallelism."""
     schedule: str = "auto"
-    """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b or interleaved."""
+    """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b, interleaved, or zb_h1 (zero
+    bubble: weight gradients delayed into 1F1B's idle slots, about a third of its bubble at the same memory)."""
     pp_layers: Optional[list[int]] = None
     """Layers per virtual stage (pp * vpp entries, in virtual-stage order); None splits model.n_layers evenly."""
     cp: int = 1
@@ -447,7 +449,12 @@ def _validate_cluster(c: ClusterConfig) -> None:
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:
     m, p, z, t = cfg.model, cfg.parallel, cfg.zero, cfg.train
-    _choice("parallel.schedule", p.schedule, ("auto", "gpipe", "1f1b", "interleaved"))
+    _choice("parallel.schedule", p.schedule, SCHEDULE_CHOICES)
+    if p.schedule in SPLIT_BACKWARD:
+        resolve_schedule(p.schedule, p.vpp)  # its own chunk count
+        if p.pp == 1:
+            _fail("parallel.schedule", p.schedule, "fills a pipeline's idle slots, and parallel.pp=1 has none",
+                  "use parallel.schedule=auto, or parallel.pp=2 or more")
     if p.vpp > 1 and p.pp == 1:
         _fail("parallel.vpp", p.vpp, "needs parallel.pp > 1 (virtual stages interleave across pipeline ranks)",
               "set parallel.pp=2 or more, or parallel.vpp=1")

@@ -29,7 +29,8 @@ from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.model.tied import TiedEmbedding
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
-from megatron_lite.pipeline.schedules import resolve_schedule
+from megatron_lite.pipeline.partition import stage_owner
+from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, resolve_schedule
 
 
 @dataclass
@@ -52,7 +53,8 @@ class Engine:
         self.ds_config = deepspeed_config(cfg, ctx.dp_size, load_universal)
         t = cfg.train
         self.accum = Layout.of_run(cfg, ctx.world_size).accumulation  # micro-batches per step on each pipeline
-        if ctx.pp_size > 1 and cfg.model.tie_embeddings and model.wte is not None:  # first and last stage
+        first, last = any(c.has_embedding for c in model.chunks), any(c.has_head for c in model.chunks)
+        if cfg.model.tie_embeddings and first != last:  # one end here, the other on another rank (not in a V)
             model.tied = TiedEmbedding(model.wte.weight, ctx.embed_group, is_head_copy=ctx.pp_rank == ctx.pp_size - 1)
         self.module, _, _, _ = deepspeed.initialize(
             model=model.to(ctx.device),
@@ -77,6 +79,11 @@ class Engine:
             self.module.enable_backward_allreduce = False
         autocast = resolve_precision(cfg) == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
         self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
+        # Zero-bubble schedules run forwards and B's on the module itself: a B touches no parameter
+        # (parallel/weight_grad.py), and ZeRO's backward epilogue fails on a backward that reduced nothing.
+        # Their W's, which accumulate the gradients, go through the engine's forward as every backward above.
+        module = self.module.module
+        self.split_forward = _bf16_autocast(module, ctx.device.type) if autocast else module
         self.tied = model.tied
         s_local = cfg.model.seq_len // ctx.cp_size  # pipeline messages hold this rank's share of the sequence
         s_local = s_local // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else s_local
@@ -103,7 +110,9 @@ class Engine:
         self.module.train()
         self.set_lr(lr)
         zero_offload_accumulators(self.optimizer)
-        stats = self.executor.run(self.forward, micro_batches, before_backward=self._new_backward, rng_keys=rng_keys)
+        split = self.executor.schedule_name in SPLIT_BACKWARD
+        stats = self.executor.run(self.split_forward if split else self.forward, micro_batches,
+                                  before_backward=self._new_backward, rng_keys=rng_keys, weight_forward=self.forward)
         self.last_stats = stats
         if self.tied is not None:
             self._new_backward()
@@ -141,11 +150,13 @@ class Engine:
             reset_backward_hook_count(self.optimizer)
 
     def _pipeline_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The last pipeline stage's mean loss, on every pipeline rank (for logging)."""
-        if self.ctx.pp_size == 1:
+        """The last virtual stage's mean loss, on every pipeline rank (for logging)."""
+        pp, vpp = self.ctx.pp_size, self.cfg.parallel.vpp
+        if pp == 1:
             return loss
         out = loss.detach().clone() if loss is not None else torch.zeros((), device=self.ctx.device)
-        torch.distributed.broadcast(out, self.ctx.pp_global_rank(self.ctx.pp_size - 1), group=self.ctx.pp_group)
+        head_rank, _ = stage_owner(pp * vpp - 1, pp, v_shape=self.executor.schedule_name == "zbv")  # in a V: rank 0
+        torch.distributed.broadcast(out, self.ctx.pp_global_rank(head_rank), group=self.ctx.pp_group)
         return out
 
     def _clip_plain(self, grad_norm: float) -> None:

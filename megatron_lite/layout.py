@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from megatron_lite.pipeline.partition import layers_per_stage
+from megatron_lite.pipeline.schedules import resolve_schedule
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Layout:
     zero_stage: int = 0
     precision: str | None = None  # as resolved: fp32 or bf16 (None: a checkpoint older than the bf16 fixes)
     layers_per_stage: tuple[int, ...] = ()  # every virtual stage's layer count, in stage order
+    v_shape: bool = False  # the virtual stages sit in a V (parallel.schedule=zbv), not in loops (partition.py)
     global_batch_size: int = 0
     micro_batch_size: int = 0
 
@@ -36,7 +38,7 @@ class Layout:
         return cls(world_size=world_size, dp=world_size // (p.tp * p.cp * p.pp), tp=p.tp, cp=p.cp, cp_mode=p.cp_mode,
                    pp=p.pp, vpp=p.vpp, zero_stage=cfg.zero.stage, precision=precision,
                    layers_per_stage=tuple(layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)),
-                   global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+                   v_shape=resolve_schedule(p.schedule, p.vpp) == "zbv", global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
 
     @classmethod
     def of_checkpoint(cls, meta: dict) -> "Layout":
@@ -45,7 +47,7 @@ class Layout:
         return cls(world_size=saved["world_size"], dp=saved["dp"], tp=saved.get("tp", 1), cp=saved.get("cp", 1),
                    cp_mode=saved.get("cp_mode", "ring"), pp=saved.get("pp", 1), vpp=saved.get("vpp", 1),
                    zero_stage=saved["zero_stage"], precision=saved.get("precision"),
-                   layers_per_stage=tuple(saved.get("layers_per_stage") or ()),
+                   layers_per_stage=tuple(saved.get("layers_per_stage") or ()), v_shape=saved.get("v_shape", False),
                    global_batch_size=train.get("global_batch_size", 0), micro_batch_size=train.get("micro_batch_size", 0))
 
     def to_meta(self) -> dict:
@@ -70,14 +72,15 @@ class Layout:
         return self.pp, self.vpp, self.layers_per_stage if self.pp * self.vpp > 1 else ()
 
     def same_as(self, saved: "Layout") -> bool:
-        """Whether `saved` has this whole layout: world, dp, tp, cp, pipeline and ZeRO stage."""
-        return (saved.world_size, saved.dp, saved.tp, saved.cp, saved.zero_stage, saved.pipeline) == \
-            (self.world_size, self.dp, self.tp, self.cp, self.zero_stage, self.pipeline)
+        """Whether `saved` has this whole layout: world, dp, tp, cp, pipeline (and its V) and ZeRO stage."""
+        return (saved.world_size, saved.dp, saved.tp, saved.cp, saved.zero_stage, saved.pipeline, saved.v_shape) == \
+            (self.world_size, self.dp, self.tp, self.cp, self.zero_stage, self.pipeline, self.v_shape)
 
     def needs_conversion(self, saved: "Layout") -> bool:
         """Whether a ZeRO checkpoint written at `saved` loads here only through the universal format: another
-        number of ZeRO partitions, TP size, stage or pipeline layout. ZeRO-0 checkpoints never convert."""
+        number of ZeRO partitions, TP size, stage or pipeline layout (a V holds other stages on each rank than
+        loops do). ZeRO-0 checkpoints never convert."""
         if saved.zero_stage == 0:
             return False
-        return (saved.pipeline, saved.zero_partitions, saved.tp, saved.zero_stage) != \
-            (self.pipeline, self.zero_partitions, self.tp, self.zero_stage)
+        return (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != \
+            (self.pipeline, self.v_shape, self.zero_partitions, self.tp, self.zero_stage)

@@ -2,11 +2,14 @@
 
     python tools/bench_pipeline.py                  # starts 4 gloo ranks itself (torchrun), ~2 minutes on CPU
     python tools/bench_pipeline.py --out bench/results/pipeline_cpu.json
+    python tools/bench_pipeline.py --schedules 1f1b zb_h1 --no-zero --out bench/results/zero_bubble_cpu.json
 
-1. Bubble. pp=4, m in {4, 8, 16}: 1f1b and gpipe at vpp=1, interleaved and gpipe at vpp=2. The real executor
+1. Bubble. pp=4, m in {4, 8, 16}: 1f1b, zb_h1 and gpipe at vpp=1, interleaved and gpipe at vpp=2. The real executor
    runs the real schedule and real (b, s, h) tensors through gloo p2p, but every chunk is a stand-in whose
    forward sleeps F/vpp and whose backward sleeps 2F/vpp: compute is uniform and costs no CPU (4 ranks share
-   2 cores), so what is measured is the schedule plus the p2p cost, not the layers. Per rank the work is
+   2 cores), so what is measured is the schedule plus the p2p cost, not the layers. Under zb_h1 the backward
+   is split as parallel/weight_grad.py splits a layer's: B sleeps F/vpp and queues a W that sleeps F/vpp and
+   returns the stand-in's weight gradient, so F = B = W (the paper's setting). Per rank the work is
    m*vpp chunk computations, so
        ideal    = m * vpp * (F/vpp + 2F/vpp) = 3*m*F        (the same for every vpp, as the formula assumes)
        measured = (makespan - ideal) / ideal,   makespan = last compute end - first compute start, all ranks
@@ -57,7 +60,8 @@ from megatron_lite.pipeline.simulate import expected_bubble, label, simulate  # 
 from megatron_lite.pipeline.schedules import Comm, build_schedule  # noqa: E402
 from tools.bench_comm import CommCounter  # noqa: E402
 
-PP, MS, CASES = 4, (4, 8, 16), (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("gpipe", 2))
+PP, MS = 4, (4, 8, 16)
+CASES = (("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("interleaved", 2), ("gpipe", 2))
 ACT_SHAPE = (1, 16, 32)  # (b, s, h) of every message
 PLOT_M = 8
 
@@ -77,19 +81,53 @@ class _Sleep(torch.autograd.Function):
         return grad, None, None
 
 
+class _SplitSleep(torch.autograd.Function):
+    """x * gain under a zero-bubble step: forward sleeps f_s; backward (B) sleeps b_s and returns dx, and queues
+    a W that sleeps w_s and returns gain's gradient (as parallel/weight_grad.py's linear does)."""
+
+    @staticmethod
+    def forward(ctx, x, gain_stand_in, f_s, b_s, w_s, store, gain):
+        ctx.save_for_backward(x, gain_stand_in)
+        ctx.costs, ctx.store, ctx.gain = (b_s, w_s), store, gain
+        time.sleep(f_s)
+        return x * gain_stand_in
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gain = ctx.saved_tensors
+        b_s, w_s = ctx.costs
+        time.sleep(b_s)
+
+        def weight_grad():
+            time.sleep(w_s)
+            return ((grad * x).sum((0, 1)),)
+
+        ctx.store.defer((ctx.gain,), weight_grad)
+        return grad * gain, None, None, None, None, None, None
+
+
 class StandIn(torch.nn.Module):
     """vpp chunks of fixed wall-clock cost, called as the executor calls the engine: forward(x, labels, chunk=k,
-    rng_key=...) (no dropout here, so the key is unused)."""
+    rng_key=...) (no dropout here, so the key is unused); and forward(None, chunk=WEIGHT_GRADS) for W."""
 
     def __init__(self, vpp: int, h: int, f_s: float, b_s: float):
         super().__init__()
         self.gain = torch.nn.Parameter(torch.ones(vpp, h))
         self.f_s, self.b_s = f_s, b_s
 
-    def forward(self, x, labels, chunk: int, rng_key=None):
+    def forward(self, x, labels=None, chunk: int = 0, rng_key=None):
+        from megatron_lite.parallel import weight_grad
+
+        if chunk == weight_grad.WEIGHT_GRADS:
+            return weight_grad.released_output()
         if not x.is_floating_point():  # virtual stage 0: tokens (b, s) -> (b, s, h), in the graph through `gain`
             x = x.unsqueeze(-1).float() * 1e-3
-        y = _Sleep.apply(x * self.gain[chunk], self.f_s, self.b_s)
+        store = weight_grad.active_store()
+        if store is None:
+            y = _Sleep.apply(x * self.gain[chunk], self.f_s, self.b_s)
+        else:  # B and W each half the backward
+            gain = self.gain[chunk]
+            y = _SplitSleep.apply(x, weight_grad.stand_in(gain), self.f_s, self.b_s / 2, self.b_s / 2, store, gain)
         return y.pow(2).mean() if labels is not None else y  # last virtual stage: a scalar loss
 
 
@@ -143,21 +181,30 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
         return None
     ideal = m * vpp * (f_chunk + b_chunk)
     plan = build_schedule(schedule, PP, vpp, m)
-    sim = simulate(plan, PP, vpp, m, f_chunk, b_chunk, name=schedule)
+    sim = simulate(plan, PP, vpp, m, f_chunk, b_chunk, name=schedule)  # W costs half the backward
     n_comms = max(sum(isinstance(step, Comm) for step in rank_steps) for rank_steps in plan)
     runs.sort(key=lambda r: r["makespan"])
     med = runs[len(runs) // 2]
-    mean = {k: statistics.mean(e[1] - e[0] for tl in med["timelines"] for e in tl if e[2] == k) for k in "FB"}
-    at_measured_costs = simulate(plan, PP, vpp, m, mean["F"], mean["B"]).makespan  # messages still free
+    kinds = {e[2] for tl in med["timelines"] for e in tl}
+    mean = {k: statistics.mean(e[1] - e[0] for tl in med["timelines"] for e in tl if e[2] == k) for k in kinds}
+    backward = mean["B"] + mean.get("W", 0.0)
+    at_measured_costs = simulate(plan, PP, vpp, m, mean["F"], backward, w_cost=mean.get("W")).makespan  # free messages
+    peaks = [0] * PP
+    for rank, tl in enumerate(med["timelines"]):  # forwards whose W (B without W's) has not run
+        held = 0
+        for e in tl:
+            held += 1 if e[2] == "F" else -1 if e[2] == ("W" if "W" in kinds else "B") else 0
+            peaks[rank] = max(peaks[rank], held)
     return {
         "schedule": schedule, "vpp": vpp, "m": m, "f_chunk_ms": f_chunk * 1e3, "b_chunk_ms": b_chunk * 1e3,
-        "theory": sim.bubble, "formula": expected_bubble(schedule, PP, vpp, m),
+        "theory": sim.bubble, "formula": expected_bubble(schedule, PP, vpp, m, f_chunk, b_chunk),
+        "peak_in_flight_sim": sim.peak_in_flight, "peak_held_sim": sim.peak_held, "peak_held_measured": peaks,
         "measured": (med["makespan"] - ideal) / ideal, "busy": (med["makespan"] - med["busy"]) / med["busy"],
         "measured_all_steps": [(r["makespan"] - ideal) / ideal for r in runs],
         "ratio": (med["makespan"] - ideal) / ideal / sim.bubble, "makespan_ms": med["makespan"] * 1e3,
         "ideal_ms": ideal * 1e3, "theory_makespan_ms": sim.makespan * 1e3, "comm_steps_per_rank": n_comms,
         "extra_ms_per_comm": (med["makespan"] - at_measured_costs) * 1e3 / n_comms,
-        "mean_f_ms": mean["F"] * 1e3, "mean_b_ms": mean["B"] * 1e3,
+        "mean_f_ms": mean["F"] * 1e3, "mean_b_ms": mean["B"] * 1e3, "mean_w_ms": mean.get("W", 0.0) * 1e3,
         "wait_ms_per_rank": [round(w * 1e3, 1) for w in med["wait_s"]],
         "barrier_exit_spread_ms": med["spread"] * 1e3,
         "timelines": med["timelines"],
@@ -174,7 +221,9 @@ def plot_timeline(row: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colour = {("F", 0): "#1f5fa8", ("F", 1): "#8fbbe6", ("B", 0): "#c0392b", ("B", 1): "#f1a79c"}
+    colour = {("F", 0): "#1f5fa8", ("F", 1): "#8fbbe6", ("B", 0): "#c0392b", ("B", 1): "#f1a79c",
+              ("W", 0): "#2e8b57", ("W", 1): "#9fd8b5"}
+    kinds = [k for k in "FBW" if any(e[2] == k for tl in row["timelines"] for e in tl)]
     vpp, panels = row["vpp"], (("executed (gloo, sleep-based chunks)", row["timelines"]),
                                ("simulated (same costs, free messages)", row["sim_timelines"]))
     fig, axes = plt.subplots(2, 1, figsize=(15, 5.2), sharex=True)
@@ -189,12 +238,14 @@ def plot_timeline(row: dict, path: str) -> None:
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
     axes[1].set_xlabel("time since the first forward starts (ms)")
-    handles = [Patch(color=colour[(k, c)], label=f"{'forward' if k == 'F' else 'backward'}"
-                     + (f" chunk {c} ({'ab'[c]})" if vpp > 1 else "")) for k in "FB" for c in range(vpp)]
+    names = {"F": "forward", "B": "input gradient (B)" if "W" in kinds else "backward", "W": "weight gradient (W)"}
+    handles = [Patch(color=colour[(k, c)], label=names[k] + (f" chunk {c} ({'ab'[c]})" if vpp > 1 else ""))
+               for k in kinds for c in range(vpp)]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    costs = (f"F={row['f_chunk_ms']:.0f} ms, B=W={row['b_chunk_ms'] / 2:.0f} ms" if "W" in kinds
+             else f"F={row['f_chunk_ms']:.0f} ms, B={row['b_chunk_ms']:.0f} ms")
     fig.suptitle(f"pp={PP} m={row['m']} {row['schedule']} vpp={vpp}: bubble measured {row['measured']:.3f}, "
-                 f"simulated {row['theory']:.3f}  (F={row['f_chunk_ms']:.0f} ms, B={row['b_chunk_ms']:.0f} ms "
-                 "per chunk)", x=0.01, ha="left", fontsize=10)
+                 f"simulated {row['theory']:.3f}  ({costs} per chunk)", x=0.01, ha="left", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -272,6 +323,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="JSON record; PNGs go next to it (default bench/results)")
     ap.add_argument("--f-ms", type=float, default=20.0, help="forward of one rank's share of the model (ms)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per case, after one warm-up")
+    ap.add_argument("--schedules", nargs="+", default=None, help="only these schedules (default: every case)")
+    ap.add_argument("--no-zero", action="store_true", help="skip the ZeRO-1 vs ZeRO-2 collective counts")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:  # relaunch under torchrun
         from megatron_lite.parallel.context import free_port
@@ -296,9 +349,10 @@ def main(argv=None) -> None:
     init_distributed()
     ctx = ParallelContext.build(1, PP)
     hop = hop_ms(ctx)
-    rows = [run_case(ctx, schedule, vpp, m, args.f_ms / 1e3, args.steps) for m in MS for schedule, vpp in CASES]
+    cases = [(s, vpp) for s, vpp in CASES if args.schedules is None or s in args.schedules]
+    rows = [run_case(ctx, schedule, vpp, m, args.f_ms / 1e3, args.steps) for m in MS for schedule, vpp in cases]
     counter, zero = CallCounter({}), {}
-    for stage in (1, 2):
+    for stage in () if args.no_zero else (1, 2):
         per_rank = [None] * dist.get_world_size() if ctx.rank == 0 else None
         dist.gather_object(measure_zero(stage, counter), per_rank, dst=0)
         zero[f"zero.stage={stage}"] = per_rank
@@ -306,14 +360,16 @@ def main(argv=None) -> None:
         print(f"pp={PP}, F={args.f_ms:g} ms per rank-share (B=2F), median of {args.steps} steps; one message hop "
               f"takes {hop:.2f} ms when the receiver is already waiting")
         print(f"{'schedule':<12}{'vpp':>4}{'m':>4}{'theory':>9}{'measured':>10}{'ratio':>7}{'busy':>8}"
-              f"{'makespan ms':>13}{'ideal ms':>10}{'F ms':>7}{'B ms':>7}{'extra ms/Comm':>15}")
+              f"{'makespan ms':>13}{'ideal ms':>10}{'F ms':>7}{'B ms':>7}{'W ms':>7}{'extra ms/Comm':>15}"
+              "  peak held per rank")
         for r in rows:
             print(f"{r['schedule']:<12}{r['vpp']:>4}{r['m']:>4}{r['theory']:>9.3f}{r['measured']:>10.3f}"
                   f"{r['ratio']:>7.2f}{r['busy']:>8.3f}{r['makespan_ms']:>13.1f}{r['ideal_ms']:>10.1f}"
-                  f"{r['mean_f_ms']:>7.2f}{r['mean_b_ms']:>7.2f}{r['extra_ms_per_comm']:>15.2f}")
+                  f"{r['mean_f_ms']:>7.2f}{r['mean_b_ms']:>7.2f}{r['mean_w_ms']:>7.2f}{r['extra_ms_per_comm']:>15.2f}"
+                  f"  {r['peak_held_measured']}")
         print("DP-group collectives of one pp=2 x dp=2 step, m=4, per rank: bus bytes (calls) during the schedule "
               "| during step()")
-        for stage, per_rank in zero.items():
+        for stage, per_rank in zero.items():  # empty with --no-zero
             for r in per_rank:
                 cells = [[sum(v for k, v in r[what].items() if k.startswith(f"dp/{phase} "))
                           for what in ("bus_bytes", "calls")] for phase in ("schedule", "step")]

@@ -135,8 +135,9 @@ def check_resume(cfg, world_size: int) -> None:
                               f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
         saved = Layout.of_checkpoint(meta)
-        saved_pipe, pipe, saved_stage = saved.pipeline, Layout.of_run(cfg, world_size).pipeline, saved.zero_stage
-        if saved_pipe != pipe and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
+        layout = Layout.of_run(cfg, world_size)
+        saved_pipe, pipe, saved_stage = saved.pipeline, layout.pipeline, saved.zero_stage
+        if (saved_pipe, saved.v_shape) != (pipe, layout.v_shape) and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
             raise ConfigError(f"parallel.pp={cfg.parallel.pp} (vpp {pipe[1]}) cannot resume {path}, written at "
                               f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {list(saved_pipe[2])}) with "
                               f"zero.stage={saved_stage}; pipeline resharding works between ZeRO stages 1 and 2: use "

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from kernels import OPS, ops
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
+from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
 from megatron_lite.pipeline.partition import ChunkSpec
 
@@ -61,7 +62,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps, self.kernel_backend)
+        return ops.rms_norm(x, weight_grad.held(self.weight), self.eps, self.kernel_backend)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -69,7 +70,8 @@ class LayerNorm(nn.LayerNorm):
     kernel_backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm(x, self.weight, self.bias, self.eps, self.kernel_backend)
+        return ops.layer_norm(x, weight_grad.held(self.weight), weight_grad.held(self.bias), self.eps,
+                              self.kernel_backend)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -82,14 +84,14 @@ class Embedding(nn.Embedding):
     """nn.Embedding whose lookup can use a stand-in weight (a pipeline's tied copy, see model/tied.py)."""
 
     def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return F.embedding(tokens, self.weight if weight is None else weight)
+        return weight_grad.embedding(tokens, self.weight if weight is None else weight)
 
 
 class Linear(nn.Linear):
     """nn.Linear that can leave its bias out, for a kernel that fuses the bias add (GeLU)."""
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if add_bias else None)
+        return weight_grad.linear(x, self.weight, self.bias if add_bias else None)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +207,7 @@ class MLP(nn.Module):
         if self.swiglu:
             h = ops.swiglu(self.fc_in(x), self.kernel_backend)  # (b, s, 2f) = [gate | up] -> (b, s, f)
         elif self.kernel_backend == "triton":  # the fc_in bias is added inside the GeLU kernel
-            h = ops.bias_gelu(self.fc_in(x, add_bias=False), self.fc_in.bias, self.kernel_backend)
+            h = ops.bias_gelu(self.fc_in(x, add_bias=False), weight_grad.held(self.fc_in.bias), self.kernel_backend)
         else:
             h = ops.bias_gelu(self.fc_in(x), None, self.kernel_backend)
         return self.fc_out(h)
@@ -254,7 +256,7 @@ class LMHead(nn.Module):
         # The GEMM runs over every (padded) row: with 50,257 columns the logits' leading dimension is odd and
         # cuBLAS falls back to kernels that took gpt-1.3b's head 5x its FLOP time on an H100. The padded
         # columns are then dropped by view: the loss and the returned logits see the true vocabulary only.
-        logits = F.linear(h, weight)  # (b, s, padded vocab)
+        logits = weight_grad.linear(h, weight)  # (b, s, padded vocab)
         if labels is None:
             return logits[..., : self.vocab_size]
         return ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_size, self.kernel_backend).mean()
@@ -272,7 +274,7 @@ class GPT(nn.Module):
         self.padded_vocab = padded_vocab_size(cfg, tp)
         with torch.device("meta"):
             self.wte = Embedding(self.padded_vocab, cfg.d_model)
-            self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
+            self.wpe = Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
             self.drop = KeyedDropout(cfg.dropout)
             self.to_blocks = nn.Identity()  # where sequence parallelism scatters the sequence over TP ranks
             self.blocks = LayerStack({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
@@ -414,6 +416,8 @@ class GPT(nn.Module):
         mean: the sum over the cp ranks is the loss (every rank holds as many tokens)."""
         if chunk == self.TIED_WEIGHT:
             return self.wte.weight * 1.0  # a graph output, so DeepSpeed's backward hooks see the injected gradient
+        if chunk == weight_grad.WEIGHT_GRADS:  # a zero-bubble schedule's W step (parallel/weight_grad.py)
+            return weight_grad.released_output()
         spec = self.chunks[chunk]
         key = self.dropout_key(rng_key)
         x = self.embed(self.sequence.shard(inputs), key) if spec.has_embedding else inputs

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kernels import ops
 from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
 from megatron_lite.model.layout import fused_segments
+from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -50,15 +50,16 @@ class SequenceParallelLayerNorm(LayerNorm):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None
-        return ops.layer_norm(x, copy_to_tp(self.weight, self.tp_group), bias, self.eps, self.kernel_backend)
+        bias = copy_to_tp(weight_grad.held(self.bias), self.tp_group) if self.bias is not None else None
+        weight = copy_to_tp(weight_grad.held(self.weight), self.tp_group)
+        return ops.layer_norm(x, weight, bias, self.eps, self.kernel_backend)
 
 
 class SequenceParallelRMSNorm(RMSNorm):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, copy_to_tp(self.weight, self.tp_group), self.eps, self.kernel_backend)
+        return ops.rms_norm(x, copy_to_tp(weight_grad.held(self.weight), self.tp_group), self.eps, self.kernel_backend)
 
 
 def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module:
@@ -86,7 +87,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
-        logits = F.linear(h, weight)  # (b, s, V_padded/tp)
+        logits = weight_grad.linear(h, weight)  # (b, s, V_padded/tp)
         valid = self.vocab_size - self.vocab_start  # ids at or past the true vocabulary are padding
         if labels is not None and self.kernel_backend == "triton":  # the kernel skips padded columns itself
             from kernels.cross_entropy import cross_entropy_triton  # imports Triton

@@ -29,6 +29,7 @@ from megatron_lite.parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
+from megatron_lite.parallel import weight_grad
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -60,26 +61,37 @@ def _load_full(layer: nn.Module, full: nn.Module) -> nn.Module:
 class _SequenceGatherLinear(torch.autograd.Function):
     """Column-parallel matmul on a sequence shard: all-gather the shard, multiply, and keep only the *shard*
     for backward, where it is gathered again (Korthikanti et al. 2022 §4.2.2). Saving the gathered input
-    instead would cost tp times the memory that sequence parallelism is meant to save."""
+    instead would cost tp times the memory that sequence parallelism is meant to save.
+
+    Under a zero-bubble schedule (parallel/weight_grad.py) the weight gradients, gather included, wait for W."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x_shard, weight, bias, group, store, weights):
+        """store, weights: a split step's WeightGradStore and the weight tensors that weight and bias stand in
+        for (parallel/weight_grad.py); store None otherwise."""
+        ctx.group, ctx.store, ctx.weights, ctx.has_bias = group, store, weights, bias is not None
         ctx.save_for_backward(x_shard, weight)
         return F.linear(_all_gather(x_shard, SEQ_DIM, group), weight, bias)  # (b, s, out/tp)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
+        has_bias = ctx.has_bias
         # Under bf16 autocast the forward multiplied in bf16 (grad_out's dtype) while x and weight stayed fp32;
         # backward multiplies in the same dtype, as autocast's own linear would (autograd casts the results
         # back to the inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
-        x = _all_gather(x_shard.to(grad_out.dtype), SEQ_DIM, ctx.group)  # (b, s, in), gathered again
-        weight = weight.to(grad_out.dtype)
-        grad_x = grad_out @ weight
-        grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
-        grad_b = grad_out.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return _reduce_scatter(grad_x, SEQ_DIM, ctx.group), grad_w, grad_b, None
+        grad_x = grad_out @ weight.to(grad_out.dtype)
+
+        def weight_grads():
+            x = _all_gather(x_shard.to(grad_out.dtype), SEQ_DIM, ctx.group)  # (b, s, in), gathered again
+            grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
+            return grad_w, grad_out.flatten(0, -2).sum(0) if has_bias else None
+
+        grad_x = _reduce_scatter(grad_x, SEQ_DIM, ctx.group)
+        if ctx.store is not None:
+            ctx.store.defer(ctx.weights, weight_grads)
+            return grad_x, None, None, None, None, None
+        return grad_x, *weight_grads(), None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -112,8 +124,12 @@ class ColumnParallelLinear(nn.Module):
         """add_bias=False leaves the bias to the caller (a kernel that fuses it, as bias-GeLU does)."""
         bias = self.bias if add_bias else None
         if self.sequence_parallel:  # x: (b, s/tp, h) sequence shard
-            return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group)
-        return F.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (b, s, out/tp)
+            store = weight_grad.active_store()
+            if store is None:
+                return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group, None, None)
+            return _SequenceGatherLinear.apply(x, weight_grad.stand_in(self.weight), weight_grad.stand_in(bias),
+                                               self.tp_group, store, (self.weight, bias))
+        return weight_grad.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -144,13 +160,13 @@ class RowParallelLinear(nn.Module):
         return _load_full(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        y = weight_grad.linear(x, self.weight)  # (b, s, out) partial sums
+        bias = weight_grad.held(self.bias)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.tp_group)  # (b, s/tp, out)
-            bias = copy_to_tp(self.bias, self.tp_group) if self.bias is not None else None
+            bias = copy_to_tp(bias, self.tp_group) if bias is not None else None
         else:
             y = reduce_from_tp(y, self.tp_group)
-            bias = self.bias
         return y + bias if bias is not None else y
 
 
@@ -182,7 +198,7 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight if weight is None else weight
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), weight)  # (b, s, h)
+        out = weight_grad.embedding(local.masked_fill(outside, 0), weight)  # (b, s, h)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.tp_group)
 

@@ -4,13 +4,17 @@
                          first virtual stage, else the activation received for it; on the last virtual stage
                          the output is the micro-batch loss, kept (divided by m) for its backward
   Compute B(mb, chunk)   backward from the loss (last stage) or from the received output gradient; keeps the
-                         input gradient for the previous stage
+                         input gradient for the previous stage. In a zero-bubble schedule only that: the
+                         weight gradients are queued for W (parallel/weight_grad.py)
+  Compute W(mb, chunk)   the weight gradients B(mb, chunk) queued, accumulated into .grad; one backward
+                         through the forward callable (forward(None, chunk=WEIGHT_GRADS)), as B's are
   Comm(ops)              one batch_isend_irecv of every op, all waited before the next step: the schedule
                          placed sends and receives so that this cannot deadlock (its simulator checks it)
 
 Messages carry no shape handshake: every activation and gradient is (micro_batch, s, h), or (micro_batch,
 s/tp, h) under sequence parallelism, so receivers allocate their buffers up front. pp = 1 runs through here
-too: its schedule is F0 B0 F1 B1 ... with no Comm steps.
+too: its schedule is F0 B0 F1 B1 ... with no Comm steps. Where the next virtual stage is this rank's own
+other chunk (pp = 1, the turn of zbv's V), the output and the input gradient are handed over in memory.
 
 Each forward gets its micro-batch's dropout key, `rng_key` = (step, index in the global batch), from the
 caller: masks depend on which micro-batch runs, never on when (parallel/random.py), so every schedule trains
@@ -30,6 +34,7 @@ shape. That frees one (b, s, h) activation per micro-batch in flight, up to pp·
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,8 +43,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.variable import Variable
 
+from megatron_lite.parallel import weight_grad
 from megatron_lite.pipeline.partition import ChunkSpec
-from megatron_lite.pipeline.schedules import Comm, Compute, build_schedule
+from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, Comm, Compute, build_schedule
 
 
 @dataclass
@@ -49,7 +55,8 @@ class StepStats:
     busy_s: float = 0.0        # seconds in forward/backward compute
     wall_s: float = 0.0        # seconds from the schedule's first step to its last on this rank
     timeline: list = field(default_factory=list)  # (start, end, kind, microbatch, chunk), when recorded
-    peak_kept_bytes: int = 0   # most bytes held at once by chunk outputs waiting for their backward
+    peak_kept_bytes: int = 0   # most bytes held at once by chunk outputs waiting for their backward (not counting
+    #                            one handed to this rank's next chunk: that chunk's input shares its storage)
 
 
 def forward_only(schedule: list) -> list:
@@ -74,6 +81,7 @@ class PipelineExecutor:
         self.chunks, self.schedule_name, self.pp, self.pp_rank = chunks, schedule, pp, pp_rank
         self.act_shape, self.dtype, self.device = act_shape, dtype, device
         self.peer_rank, self.pp_group = peer_rank, pp_group
+        self.local_chunk = {spec.virtual_stage: spec.chunk for spec in chunks}  # virtual stage -> chunk held here
         self.record_timeline = False
         self._schedules: dict[tuple[bool, int], list] = {}
 
@@ -82,19 +90,23 @@ class PipelineExecutor:
         evaluate (any m, no backward to interleave with)."""
         if (train, m) not in self._schedules:
             name = self.schedule_name if train else "gpipe"
-            steps = build_schedule(name, self.pp, len(self.chunks), m)[self.pp_rank]
+            v_shape = self.schedule_name == "zbv"  # the chunks' placement, whichever schedule runs them
+            steps = build_schedule(name, self.pp, len(self.chunks), m, v_shape)[self.pp_rank]
             self._schedules[(train, m)] = steps if train else forward_only(steps)
         return self._schedules[(train, m)]
 
     def run(self, forward: Callable, micro_batches: list[torch.Tensor], train: bool = True,
             before_backward: Callable[[], None] | None = None,
-            rng_keys: list[tuple[int, int]] | None = None) -> StepStats:
+            rng_keys: list[tuple[int, int]] | None = None, weight_forward: Callable | None = None) -> StepStats:
         """Run the schedule over micro_batches (each (b, s+1) tokens; m of them, the same m on every rank).
         forward(inputs, labels, chunk=k, rng_key=rng_keys[mb]) is the engine's forward (rng_key None without
         rng_keys: no dropout expected, e.g. in eval); before_backward() runs before each backward (see
-        engine.py). Returns this rank's mean loss (last stage) and timings; gradients are left accumulated for
-        the optimizer step."""
+        engine.py). weight_forward (default: forward) is what W steps call, forward(None, chunk=WEIGHT_GRADS).
+        Returns this rank's mean loss (last stage) and timings; gradients are left accumulated for the optimizer
+        step."""
         stats = StepStats(loss=None)
+        split = train and self.schedule_name in SPLIT_BACKWARD
+        store = weight_grad.WeightGradStore()
         n_micro = len(micro_batches)
         assert rng_keys is None or len(rng_keys) == n_micro, (len(rng_keys), n_micro)
         inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> the chunk's input (needs its grad)
@@ -103,7 +115,7 @@ class PipelineExecutor:
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk) -> tensor to send
         losses = []
         start = time.perf_counter()
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), weight_grad.split(store) if split else contextlib.nullcontext():
             for step in self.schedule(train, n_micro):
                 t0 = time.perf_counter()
                 if isinstance(step, Comm):
@@ -114,16 +126,20 @@ class PipelineExecutor:
                 if step.kind == "F":
                     self._run_forward(forward, spec, mb, n_micro, micro_batches[mb], train, inputs, outputs, inbox,
                                       outbox, losses, rng_keys[mb] if rng_keys is not None else None)
+                elif step.kind == "B":
+                    with store.collecting((mb, k)) if split else contextlib.nullcontext():
+                        self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
                 else:
-                    self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
+                    self._run_weight_grads(weight_forward or forward, store, mb, k, before_backward)
                 t1 = time.perf_counter()
                 stats.busy_s += t1 - t0
-                kept = sum(o.untyped_storage().nbytes() for o in outputs.values())
+                kept = sum(o.untyped_storage().nbytes() for (_, chunk), o in outputs.items()
+                           if self.chunks[chunk].virtual_stage + 1 not in self.local_chunk)
                 stats.peak_kept_bytes = max(stats.peak_kept_bytes, kept)
                 if self.record_timeline:
                     stats.timeline.append((t0, t1, step.kind, mb, k))
         stats.wall_s = time.perf_counter() - start
-        assert not outputs and not inbox and not outbox, "schedule left work undone"
+        assert not outputs and not inbox and not outbox and store.empty(), "schedule left work undone"
         if losses:
             stats.loss = torch.stack(losses).mean()
         return stats
@@ -151,12 +167,15 @@ class PipelineExecutor:
             if train:
                 outputs[(mb, spec.chunk)] = out / n_micro
         else:
-            outbox[("act", mb, spec.chunk)] = out.detach()
+            local = self.local_chunk.get(spec.virtual_stage + 1)
+            if local is not None:  # the next stage is on this rank
+                inbox[("act", mb, local)] = out.detach()
+            else:
+                outbox[("act", mb, spec.chunk)] = out.detach()
             if train:
                 outputs[(mb, spec.chunk)] = out
 
-    @staticmethod
-    def _run_backward(mb: int, spec: ChunkSpec, outputs, inbox, inputs, outbox, before_backward) -> None:
+    def _run_backward(self, mb: int, spec: ChunkSpec, outputs, inbox, inputs, outbox, before_backward) -> None:
         """Backward of chunk `spec` for micro-batch mb; its input's gradient goes to the outbox. A method of its
         own so that the output, the received gradient and the input are let go on return (held in the loop's
         locals, they kept one more activation alive through the next forward)."""
@@ -167,7 +186,22 @@ class PipelineExecutor:
         _backward(out, grad)
         x = inputs.pop((mb, spec.chunk), None)
         if x is not None:
-            outbox[("grad", mb, spec.chunk)] = x.grad
+            local = self.local_chunk.get(spec.virtual_stage - 1)
+            if local is not None:  # the previous stage is on this rank
+                inbox[("grad", mb, local)] = x.grad
+            else:
+                outbox[("grad", mb, spec.chunk)] = x.grad
+
+    @staticmethod
+    def _run_weight_grads(forward, store, mb: int, chunk: int, before_backward) -> None:
+        """W of chunk `chunk` for micro-batch mb: the work its B queued, run as one backward."""
+        with store.released((mb, chunk)):
+            out = forward(None, chunk=weight_grad.WEIGHT_GRADS)
+        if out.grad_fn is None:  # B queued nothing
+            return
+        if before_backward is not None:
+            before_backward()
+        torch.autograd.backward(out)
 
     def _exchange(self, comm: Comm, inbox: dict, outbox: dict, outputs: dict) -> float:
         """Post every op of one Comm step together and wait for all; return the seconds spent waiting. A sent

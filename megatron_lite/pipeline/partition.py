@@ -3,6 +3,9 @@
 The model is cut into `pp * vpp` *virtual stages*, run in order 0, 1, ..., pp*vpp-1. Pipeline rank r holds
 `vpp` chunks, and its chunk k is virtual stage `v = k*pp + r`, so consecutive stages always sit on
 neighbouring ranks and a micro-batch loops through the ranks vpp times (Narayanan et al. 2021, sec. 2.2).
+The zbv schedule places its two chunks in a V instead (`v_shape`, Qi et al. 2024 sec. 6): rank r holds
+stages r and 2pp-1-r, so a micro-batch goes down the ranks and back up, and the turn at the last rank (and
+the first stage's and the loss's stages on rank 0) stay on one rank.
 Virtual stage 0 also owns the embedding, the last one the final norm, the LM head and the loss.
 
 Layers are split uniformly unless `parallel.pp_layers` lists a count per virtual stage; uneven lists exist
@@ -27,7 +30,7 @@ class ChunkSpec:
     chunk: int
     """Local chunk index on its rank, 0..vpp-1."""
     virtual_stage: int
-    """Global position in the pipeline: chunk*pp + pp_rank."""
+    """Global position in the pipeline: chunk*pp + pp_rank (in a V: pp_rank, then 2pp-1-pp_rank)."""
     layers: range
     """Global indices of the transformer blocks it holds (possibly empty on the first or last stage)."""
     has_embedding: bool
@@ -36,13 +39,17 @@ class ChunkSpec:
     """True on the last virtual stage: final norm, LM head and loss run here."""
 
 
-def virtual_stage(pp_rank: int, chunk: int, pp: int) -> int:
-    """Virtual stage held as `chunk` by `pp_rank`."""
+def virtual_stage(pp_rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """Virtual stage held as `chunk` by `pp_rank` (v_shape: two chunks in a V)."""
+    if v_shape:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
     return chunk * pp + pp_rank
 
 
-def stage_owner(v: int, pp: int) -> tuple[int, int]:
+def stage_owner(v: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
     """Inverse of virtual_stage: (pp_rank, chunk) that holds virtual stage v."""
+    if v_shape:
+        return (v, 0) if v < pp else (2 * pp - 1 - v, 1)
     return v % pp, v // pp
 
 
@@ -124,14 +131,15 @@ def stage_layers(n_layers: int, pp: int, vpp: int, pp_layers: Sequence[int] | No
 
 
 def rank_chunks(pp_rank: int, pp: int, vpp: int, n_layers: int,
-                pp_layers: Sequence[int] | None = None) -> list[ChunkSpec]:
-    """The vpp chunks pipeline rank `pp_rank` builds, in local chunk order."""
+                pp_layers: Sequence[int] | None = None, v_shape: bool = False) -> list[ChunkSpec]:
+    """The vpp chunks pipeline rank `pp_rank` builds, in local chunk order (v_shape: vpp == 2, in a V)."""
     assert 0 <= pp_rank < pp, f"pp_rank={pp_rank} outside 0..{pp - 1}"
+    assert not v_shape or vpp == 2, f"a V holds two chunks per rank, not {vpp}"
     ranges = stage_layers(n_layers, pp, vpp, pp_layers)
     last = pp * vpp - 1
     specs = []
     for chunk in range(vpp):
-        v = virtual_stage(pp_rank, chunk, pp)
+        v = virtual_stage(pp_rank, chunk, pp, v_shape)
         specs.append(ChunkSpec(chunk=chunk, virtual_stage=v, layers=ranges[v],
                                has_embedding=v == 0, has_head=v == last))
     return specs

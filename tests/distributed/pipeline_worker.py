@@ -11,6 +11,10 @@ gradient sums the same terms in the same order (measured exactly 0). The excepti
 the serial model adds head and lookup gradients per micro-batch, the pipeline adds each stage's total once,
 which reorders fp32 additions (a few ulps, measured <= 1.1e-7). A lost micro-batch is O(1/m), a missing
 embedding-group sum O(1), a 1/m applied twice O(1).
+zb_h1 (B and W split, parallel/weight_grad.py) and zbv (two chunks in a V; the tied embedding and head both on
+rank 0, so no sync) run for m in {pp, 2pp, 3pp+1}. zb_h1 is also compared with 1F1B, which holds the same
+layers on each rank: its deferred weight gradients use the formulas of autograd's own linear and embedding
+backwards, accumulated in 1F1B's order, so they must be bitwise equal (measured 0).
 Each case also checks that sent activations gave up their storage (executor.py): chunk outputs held at once
 stay below two activations' bytes (one full output waits for its send at a time; keeping them would hold one
 per micro-batch in flight, >= 2 on the first rank of every schedule here).
@@ -56,8 +60,9 @@ def serial_step(cfg: ModelConfig, batches: list[torch.Tensor]) -> tuple[float, d
 
 def pipeline_step(cfg: ModelConfig, ctx: ParallelContext, vpp: int, schedule: str, batches):
     torch.manual_seed(7)
-    model = GPT(cfg).keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, vpp, cfg.n_layers))
-    if ctx.pp_size > 1 and cfg.tie_embeddings and model.wte is not None:  # first and last stage
+    model = GPT(cfg).keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, vpp, cfg.n_layers, v_shape=schedule == "zbv"))
+    first, last = any(c.has_embedding for c in model.chunks), any(c.has_head for c in model.chunks)
+    if cfg.tie_embeddings and first != last:  # one end here, the other on another rank (not in a V)
         model.tied = TiedEmbedding(model.wte.weight, ctx.embed_group, is_head_copy=ctx.pp_rank == ctx.pp_size - 1)
     executor = PipelineExecutor(model.chunks, resolve_schedule(schedule, vpp), ctx.pp_size, ctx.pp_rank,
                                 (MICRO_BATCH, cfg.seq_len, cfg.d_model), torch.float32, ctx.device,
@@ -75,6 +80,8 @@ def main() -> None:
              for flavour in FLAVOURS for pp in (2, 4) for vpp in (1, 2)
              for schedule in ("gpipe", "1f1b", "interleaved") if not (schedule == "interleaved" and vpp == 1)
              for m in ((pp, 2 * pp + 1) if schedule == "interleaved" else (pp,))]
+    cases += [(flavour, pp, vpp, schedule, m) for flavour in FLAVOURS for pp in (2, 4)
+              for schedule, vpp in (("zb_h1", 1), ("zbv", 2)) for m in (pp, 2 * pp, 3 * pp + 1)]
     for flavour, pp, vpp, schedule, m in cases:
         cfg = ModelConfig(name=flavour, n_layers=2 * pp * vpp, **FLAVOURS[flavour])
         ctx = ParallelContext.build(tp=1, pp=pp) if world % pp == 0 else None
@@ -82,6 +89,12 @@ def main() -> None:
         batches = [torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=gen) for _ in range(m)]
         want_loss, want_grads = serial_step(cfg, batches)
         stats, params = pipeline_step(cfg, ctx, vpp, schedule, batches)
+        if schedule == "zb_h1":  # the same layers on each rank as 1F1B
+            _, params_1f1b = pipeline_step(cfg, ctx, vpp, "1f1b", batches)
+            for name, p in params.items():
+                if not torch.equal(p.grad, params_1f1b[name].grad):
+                    raise AssertionError(f"{flavour} pp={pp} zb_h1 m={m}: {name} gradient differs from 1F1B's "
+                                         f"by {(p.grad - params_1f1b[name].grad).abs().max().item():.2e}")
         loss, activation_bytes = stats.loss, MICRO_BATCH * cfg.seq_len * cfg.d_model * 4
         if stats.peak_kept_bytes >= 2 * activation_bytes:
             raise AssertionError(f"{flavour} pp={pp} vpp={vpp} {schedule} m={m}: chunk outputs held "

@@ -43,6 +43,11 @@ def test_layout_changes_convert():
     # ZeRO partitions over dp x cp (parameters are replicated over cp): their number is what matters
     assert run(2, 3, cp=2).needs_conversion(saved())                                           # dp 2 -> dp 2 x cp 2
     assert not run(1, 3, cp=2).needs_conversion(saved())                                       # dp 2 -> dp 1 x cp 2
+    # zbv holds stages r and 2pp-1-r on rank r where interleaving holds r and pp+r: other shards per rank
+    loop = saved(pp=2, vpp=2, layers_per_stage=[1, 1, 1, 1])
+    v = Layout(**{**loop.__dict__, "v_shape": True})
+    assert v.needs_conversion(loop) and loop.needs_conversion(v) and not v.same_as(loop)
+    assert Layout.of_checkpoint({"layout": v.to_meta()}) == v and not v.needs_conversion(v)
     assert run(1, 3).needs_conversion(saved(dp=1, cp=2))                                       # dp 1 x cp 2 -> dp 1
 
 

@@ -29,6 +29,22 @@ def test_every_layer_lands_on_exactly_one_chunk(pp, vpp):
     assert sorted(seen) == list(range(n_layers))
 
 
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_v_shape_places_stages_down_and_back(pp):
+    """zbv: rank r holds stages r and 2pp-1-r, so rank 0 holds the embedding and the head."""
+    n_layers, seen = 4 * pp, []
+    for r in range(pp):
+        specs = rank_chunks(r, pp, 2, n_layers, v_shape=True)
+        assert [s.virtual_stage for s in specs] == [r, 2 * pp - 1 - r]
+        for spec in specs:
+            assert stage_owner(spec.virtual_stage, pp, v_shape=True) == (r, spec.chunk)
+            assert spec.layers == range(2 * spec.virtual_stage, 2 * spec.virtual_stage + 2)
+            seen += list(spec.layers)
+        assert [(s.has_embedding, s.has_head) for s in specs] == ([(True, False), (False, True)] if r == 0 else
+                                                                  [(False, False)] * 2)
+    assert sorted(seen) == list(range(n_layers))
+
+
 def test_interleaved_chunks_are_not_contiguous():
     # pp=2, vpp=2, 8 layers: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
     assert [s.layers for s in rank_chunks(0, 2, 2, 8)] == [range(0, 2), range(4, 6)]

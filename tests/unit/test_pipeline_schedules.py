@@ -12,6 +12,7 @@ from megatron_lite.pipeline.schedules import (
     Compute,
     build_schedule,
     group_size,
+    held_bound,
     in_flight_bound,
     iterations,
     recv_backward,
@@ -60,6 +61,103 @@ def test_bubble_table_pp4():
     assert measured[("interleaved", 2, 8, (1.0, 2.0))] == 0.1875
 
 
+ZB_CASES = [(pp, m) for pp in (1, 2, 3, 4, 8) for m in sorted({pp, pp + 1, 2 * pp, 3 * pp + 1, 4 * pp})]
+
+
+@pytest.mark.parametrize("pp,m", ZB_CASES)
+def test_zb_h1_runs_clean_with_formula_bubble(pp, m):
+    """F = B = W (the paper's setting): the bubble of the formula, 1F1B's activations on every rank, and
+    pp forwards awaiting their W on every rank (1F1B's first-rank bound); W never before its B (simulator)."""
+    schedule = build_schedule("zb_h1", pp, 1, m)
+    result = simulate(schedule, pp, 1, m, f_cost=1.0, b_cost=2.0, w_cost=1.0, name="zb_h1")
+    assert result.bubble == pytest.approx(expected_bubble("zb_h1", pp, 1, m, 1.0, 2.0, 1.0), abs=1e-12)
+    assert result.peak_in_flight == [in_flight_bound("1f1b", pp, 1, m, r) for r in range(pp)]
+    assert result.peak_held == [held_bound("zb_h1", pp, 1, m, r) for r in range(pp)] == [min(pp, m)] * pp
+    for rank in range(pp):  # every step once, and each W after its own B
+        computes = [s for s in schedule[rank] if isinstance(s, Compute)]
+        assert sorted((s.kind, s.microbatch) for s in computes) == sorted(
+            (kind, mb) for kind in "FBW" for mb in range(m))
+        assert all(computes.index(Compute("W", mb, 0)) > computes.index(Compute("B", mb, 0)) for mb in range(m))
+
+
+def test_zb_h1_bubble_table_pp4():
+    """pp=4, F = B = W: a third of 1F1B's bubble, written out. With a W cheaper than B (the attention core's
+    backward is all B) and with a dearer one, still below 1F1B: comms sit on a unit-cost clock
+    (schedules.place_comms), so unequal costs add waits, which the simulator measures."""
+    for m in (4, 8, 16):
+        zb = simulate(build_schedule("zb_h1", 4, 1, m), 4, 1, m, 1.0, 2.0, w_cost=1.0).bubble
+        one_f_one_b = simulate(build_schedule("1f1b", 4, 1, m), 4, 1, m, 1.0, 2.0).bubble
+        assert one_f_one_b == pytest.approx(3 / m) and zb == pytest.approx(1 / m)  # (pp-1)/(3m)
+        for w_cost in (0.8, 1.2):
+            assert simulate(build_schedule("zb_h1", 4, 1, m), 4, 1, m, 1.0, 2.0, w_cost=w_cost).bubble < one_f_one_b
+
+
+def test_zb_h1_shape():
+    """pp=4, m=8: rank 0 holds its W's until its forwards are done; rank 3 runs r=3 (F, B) pairs first."""
+    names = lambda r: " ".join(f"{s.kind}{s.microbatch}" for it in iterations("zb_h1", 4, 1, 8, r) for s in it)  # noqa: E731
+    assert names(0) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert names(3) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
+    res = simulate(build_schedule("zb_h1", 2, 1, 2), 2, 1, 2, 1.0, 2.0, w_cost=1.0)
+    assert render_grid(res).splitlines()[1:] == ["rank 0 | F0 F1 .  B0 W0 B1 W1",
+                                                 "rank 1 | .  F0 B0 F1 B1 W0 W1"]
+
+
+@pytest.mark.parametrize("pp,m", ZB_CASES)
+def test_zbv_runs_clean_with_formula_bubble(pp, m):
+    """Two chunks in a V (stages r and 2pp-1-r on rank r), F = B = W per chunk: from m = 2pp-1 micro-batches on,
+    the bubble of the formula, (pp-1)/(6m); below that the V does not fill (still under 1F1B's). Activations
+    held: at most 2pp chunks (pp stages' layers, 1F1B's first-rank bound) on every rank."""
+    schedule = build_schedule("zbv", pp, 2, m)
+    result = simulate(schedule, pp, 2, m, f_cost=1.0, b_cost=2.0, w_cost=1.0, name="zbv")
+    one_f_one_b = simulate(build_schedule("1f1b", pp, 1, m), pp, 1, m, 1.0, 2.0).bubble
+    if m >= 2 * pp - 1:
+        assert result.bubble == pytest.approx(expected_bubble("zbv", pp, 2, m, 1.0, 2.0, 1.0), abs=1e-12)
+        assert result.bubble == pytest.approx((pp - 1) / (6 * m))
+    assert result.bubble <= one_f_one_b
+    assert result.peak_in_flight == [in_flight_bound("zbv", pp, 2, m, r) for r in range(pp)]
+    assert max(result.peak_held) <= 2 * pp
+    for rank in range(pp):
+        computes = [s for s in schedule[rank] if isinstance(s, Compute)]
+        assert sorted((s.kind, s.microbatch, s.chunk) for s in computes) == sorted(
+            (kind, mb, chunk) for kind in "FBW" for mb in range(m) for chunk in (0, 1))
+
+
+def test_zbv_table_pp4():
+    """pp=4, F = B = W: 1F1B's bubble 3/m against ZB-V's 1/(2m), below 0.1 from m = 8 on."""
+    bubbles = {m: simulate(build_schedule("zbv", 4, 2, m), 4, 2, m, 1.0, 2.0, w_cost=1.0, name="zbv").bubble
+               for m in (4, 8, 16)}
+    assert bubbles[8] == pytest.approx(0.0625) and bubbles[16] == pytest.approx(0.03125)
+    assert bubbles[4] == pytest.approx(0.2083, abs=1e-4)  # m < 2pp-1: the V never fills
+
+
+def test_zbv_places_chunks_in_a_v():
+    """pp=2: rank 0 holds stages 0 and 3 (data in, loss out), rank 1 stages 1 and 2: the turn 1 -> 2 stays on
+    rank 1 (no message), and rank 0's first-chunk gradients come from rank 1's first chunk."""
+    schedule = build_schedule("zbv", 2, 2, 2)
+    sends = [op for s in schedule[1] if isinstance(s, Comm) for op in s.ops if op.op == "send"]
+    assert {(op.kind, op.chunk) for op in sends} == {("act", 1), ("grad", 0)}  # stage 2 -> 3, stage 1 -> 0
+    assert all(op.peer == 0 for op in sends)
+    names = " ".join(f"{s.kind}{s.microbatch}{'ab'[s.chunk]}" for it in iterations("zbv", 2, 2, 2, 1) for s in it)
+    assert names == "F0a F0b F1a F1b B0b W0b B0a B1b B1a W0a W1b W1a"
+
+
+def test_zb_h1_refuses_chunks():
+    with pytest.raises(ConfigError, match=r"^parallel.schedule=zb_h1 runs one model chunk per pipeline rank, "
+                                          r"got parallel.vpp=2; use parallel.vpp=1"):
+        build_schedule("zb_h1", 2, 2, 4)
+
+
+def test_weight_gradient_before_its_backward():
+    schedule = build_schedule("zb_h1", 2, 1, 2)
+    row = schedule[1]
+    b0, w0 = row.index(Compute("B", 0, 0)), row.index(Compute("W", 0, 0))
+    row[b0], row[w0] = row[w0], row[b0]
+    _fails(schedule, 2, 1, 2, "weight gradient before its input gradient")
+    schedule = build_schedule("zb_h1", 2, 1, 2)
+    schedule[0].remove(Compute("W", 1, 0))
+    _fails(schedule, 2, 1, 2, "rank 0 never runs W")
+
+
 @pytest.mark.parametrize("pp,vpp,m", [(4, 1, 2), (4, 2, 1), (4, 2, 3), (4, 3, 2), (2, 3, 1)])
 def test_gpipe_with_fewer_microbatches_than_ranks(pp, vpp, m):
     # each of the vpp loops through the ranks idles pp - m units: (vpp*(pp-m) + m-1) / (vpp*m)
@@ -105,6 +203,11 @@ def test_resolve_schedule():
     assert resolve_schedule("1f1b", 3) == "interleaved"
     assert resolve_schedule("interleaved", 1) == "1f1b"
     assert resolve_schedule("gpipe", 2) == "gpipe"
+    assert resolve_schedule("zb_h1", 1) == "zb_h1"
+    assert resolve_schedule("zbv", 2) == "zbv"
+    with pytest.raises(ConfigError, match=r"^parallel.schedule=zbv runs two model chunks per pipeline rank \(a V\), "
+                                          r"got parallel.vpp=1; use parallel.vpp=2$"):
+        resolve_schedule("zbv", 1)
     with pytest.raises(ConfigError, match=r"^parallel.schedule=zb is not a valid choice; use one of auto"):
         resolve_schedule("zb", 1)
 

@@ -1,0 +1,241 @@
+"""The backward split in two for zero-bubble pipelines: B (input gradients) now, W (weight gradients) later.
+
+A layer's backward computes two things: the gradient w.r.t. its input, which the previous pipeline stage is
+waiting for, and the gradient w.r.t. its weights, which nobody needs before the optimizer step. Zero-bubble
+schedules (Qi et al. 2024) run the first as B and queue the second as W, to fill the pipeline's idle slots.
+
+How, here: the ops that touch a parameter go through this module's three functions. Outside a split step they
+are plain torch (`F.linear`, `F.embedding`, the parameter itself), so every other schedule runs unchanged.
+Inside `split(store)` (the pipeline executor, for the whole of a zero-bubble step) they take stand-ins for
+their weights (fresh leaves holding the same values, as the tied embedding's, model/tied.py), so the step's
+graphs have no edge into any weight: a B, run under `store.collecting(key)` (the
+executor's B of micro-batch mb, chunk k), computes input gradients and touches no parameter, no `.grad` and
+no ZeRO hook. Each op hands the store a closure for its weight gradient instead:
+
+  linear(x, w, b)     B: dx = g w;  W: dw = g^T x, db = sum(g)  -- the matmul that is half a layer's backward
+  embedding(t, w)     B: nothing (tokens have no gradient);  W: dw = scatter-add of g over the tokens
+  held(p)             B: p's gradient, computed with the input gradient by the op that uses p (a norm's
+                      gain, a bias); W: handed over. One pass over the activations yields both, so computing
+                      it again in W would only read them twice; holding it keeps ZeRO's gradient hooks in W.
+
+W is one autograd backward of a graph output whose inputs are every weight tensor the
+queued closures feed (`store.released(key)`, `released_output()`: the model's forward returns it for
+chunk=WEIGHT_GRADS, so that DeepSpeed's backward hooks open and close W as any backward): autograd sums a parameter's contributions and accumulates each once into `.grad`,
+running ZeRO-1/2's gradient hooks, the tied embedding's fp32 hook and the TP all-reduce of sequence-parallel
+gains (`copy_to_tp`) exactly as a whole backward would. The accumulation order over micro-batches is the B
+order of 1F1B, so gradients equal 1F1B's (and the single process's) to fp32 rounding of reordered sums.
+
+Recomputed regions (`recompute`) decide nothing: their forward runs under `kept_in_backward()`, so their
+weight gradients are computed in B. Deferring them would hold every linear's input and output gradient per
+micro-batch until W -- the activations recomputation was chosen not to keep.
+
+Left out on purpose: deferring inside torch.compile'd graphs (the split path is excluded from compilation, so
+under train.compile the linears and embeddings run eagerly between compiled regions); ZeRO-3 (a partitioned
+parameter cannot take a gradient after its module's backward has released it; refused in config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Key = tuple[int, int]  # (micro-batch, chunk)
+WEIGHT_GRADS = -2  # model.forward(None, chunk=WEIGHT_GRADS): the released W work as a graph output
+
+
+@dataclass
+class _Deferred:
+    """One op's weight-gradient work: the tensors its forward took as weights and the closure computing their
+    gradients (None where a weight is absent, e.g. no bias)."""
+
+    weights: tuple[torch.Tensor | None, ...]
+    compute: Callable[[], tuple[torch.Tensor | None, ...]]
+
+
+@dataclass
+class WeightGradStore:
+    """One pipeline rank's queued W work, by (micro-batch, chunk)."""
+
+    pending: dict[Key, list[_Deferred]] = field(default_factory=dict)
+    collecting_key: Key | None = None
+    released_key: Key | None = None
+
+    @contextlib.contextmanager
+    def collecting(self, key: Key):
+        """Queue the W work of backwards run inside this block under `key` (the executor's B)."""
+        assert self.collecting_key is None, f"B of {key} inside B of {self.collecting_key}"
+        self.collecting_key = key
+        self.pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self.collecting_key = None
+
+    def defer(self, weights: tuple[torch.Tensor | None, ...], compute: Callable) -> None:
+        """Queue compute() for the B being collected."""
+        assert self.collecting_key is not None, "a split step's forward was backpropagated outside its B step"
+        self.pending[self.collecting_key].append(_Deferred(weights, compute))
+
+    @contextlib.contextmanager
+    def released(self, key: Key):
+        """W of `key`: inside this block, released_output() hands out its work (the executor's W)."""
+        self.released_key = key
+        try:
+            yield
+        finally:
+            self.released_key = None
+
+    def weight_output(self) -> torch.Tensor:
+        """The released W: a scalar graph output whose backward computes the queued weight gradients and
+        accumulates them into their weights (zero with no graph when B queued nothing)."""
+        work = self.pending.pop(self.released_key)
+        weights = tuple(w for item in work for w in item.weights if w is not None)
+        if not weights:
+            return torch.zeros(())
+        return _WeightGrads.apply(work, *weights)
+
+    def empty(self) -> bool:
+        return not self.pending
+
+
+class _WeightGrads(torch.autograd.Function):
+    """Graph output of a W step; its backward runs the queued closures and returns their gradients."""
+
+    @staticmethod
+    def forward(ctx, work, *weights):
+        ctx.work = work
+        return torch.zeros((), device=weights[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        grads = []
+        for item in ctx.work:
+            grads += [g for w, g in zip(item.weights, item.compute()) if w is not None]
+        ctx.work = None
+        return (None, *grads)
+
+
+_split_store: WeightGradStore | None = None  # set by `split` for the length of a zero-bubble step
+
+
+@contextlib.contextmanager
+def split(store: WeightGradStore):
+    """Ops run inside this block (forwards) defer their weight gradients to `store` when their backward runs
+    under store.collecting. A mode scoped like torch.autocast, entered by the executor for one step."""
+    global _split_store
+    previous, _split_store = _split_store, store
+    try:
+        yield
+    finally:
+        _split_store = previous
+
+
+@contextlib.contextmanager
+def kept_in_backward():
+    """Forwards inside this block compute their weight gradients in B (recomputed regions)."""
+    global _split_store
+    previous, _split_store = _split_store, None
+    try:
+        yield
+    finally:
+        _split_store = previous
+
+
+def released_output() -> torch.Tensor:
+    """The W work released by the executor (WeightGradStore.released), for the model's forward."""
+    assert _split_store is not None and _split_store.released_key is not None, "no W step is running"
+    return _split_store.weight_output()
+
+
+def active_store() -> WeightGradStore | None:
+    """The store of the split step running now, if gradients are being recorded; else None."""
+    return _split_store if torch.is_grad_enabled() else None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def stand_in(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """A fresh leaf with weight's values: a split op's graph input (the output needs one that requires grad,
+    e.g. an embedding, whose other input is tokens), never given a gradient."""
+    return weight.detach().requires_grad_() if weight is not None else None
+
+
+class _Linear(torch.autograd.Function):
+    """x W^T + b on stand-ins of `weights`; backward returns dx and queues (dW, db) against `weights`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, weights):
+        dtype = _autocast_dtype(x.device.type)  # do what autocast's own linear does: multiply in its dtype
+        cast = (lambda t: t.to(dtype) if t is not None else None) if dtype is not None else (lambda t: t)
+        x_c, w_c, b_c = cast(x), cast(weight), cast(bias)
+        ctx.save_for_backward(x_c, w_c)
+        ctx.store, ctx.weights = store, weights
+        return F.linear(x_c, w_c, b_c)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w = ctx.saved_tensors
+        has_bias = ctx.weights[1] is not None
+
+        def weight_grads():  # autograd's own linear backward, term for term; cast to the weights' dtype by W
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
+            return g2.t().mm(x.reshape(-1, x.shape[-1])), g2.sum(0) if has_bias else None  # (out, in), (out,)
+
+        ctx.store.defer(ctx.weights, weight_grads)
+        return grad_out.matmul(w), None, None, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, weight, store, weights):
+        ctx.save_for_backward(tokens)
+        ctx.store, ctx.weights, ctx.rows = store, weights, weight.shape[0]
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (tokens,) = ctx.saved_tensors
+        # what F.embedding's own backward computes
+        ctx.store.defer(ctx.weights, lambda: (torch.ops.aten.embedding_backward(grad_out, tokens, ctx.rows, -1,
+                                                                                 False, False),))
+        return None, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; in a split step its weight gradients wait for W."""
+    store = active_store()
+    if store is None:
+        return F.linear(x, weight, bias)
+    return _split_op(_Linear, x, stand_in(weight), stand_in(bias), store, (weight, bias))
+
+
+def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding; in a split step its weight gradient waits for W."""
+    store = active_store()
+    if store is None:
+        return F.embedding(tokens, weight)
+    return _split_op(_Embedding, tokens, stand_in(weight), store, (weight,))
+
+
+def held(param: torch.Tensor | None) -> torch.Tensor | None:
+    """param as an op uses it; in a split step a stand-in whose gradient, computed in B, is queued for W."""
+    store = active_store()
+    return param if store is None or param is None else _held_stand_in(param, store)
+
+
+@torch.compiler.disable
+def _held_stand_in(param: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
+    leaf = stand_in(param)
+    leaf.register_hook(lambda grad: store.defer((param,), lambda: (grad,)))
+    return leaf
+
+
+@torch.compiler.disable
+def _split_op(function, *args):
+    return function.apply(*args)
