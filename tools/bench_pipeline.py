@@ -4,12 +4,13 @@
     python tools/bench_pipeline.py --out bench/results/pipeline_cpu.json
     python tools/bench_pipeline.py --schedules 1f1b zb_h1 --no-zero --out bench/results/zero_bubble_cpu.json
 
-1. Bubble. pp=4, m in {4, 8, 16}: 1f1b, zb_h1 and gpipe at vpp=1, interleaved and gpipe at vpp=2. The real executor
+1. Bubble. pp=4, m in {4, 8, 16}: 1f1b, zb_h1 and gpipe at vpp=1, interleaved, zbv and gpipe at vpp=2. The real
+   executor
    runs the real schedule and real (b, s, h) tensors through gloo p2p, but every chunk is a stand-in whose
    forward sleeps F/vpp and whose backward sleeps 2F/vpp: compute is uniform and costs no CPU (4 ranks share
    2 cores), so what is measured is the schedule plus the p2p cost, not the layers. Under zb_h1 the backward
    is split as parallel/weight_grad.py splits a layer's: B sleeps F/vpp and queues a W that sleeps F/vpp and
-   returns the stand-in's weight gradient, so F = B = W (the paper's setting). Per rank the work is
+   returns the stand-in's weight gradient, so F = B = W (the paper's setting); zbv too. Per rank the work is
    m*vpp chunk computations, so
        ideal    = m * vpp * (F/vpp + 2F/vpp) = 3*m*F        (the same for every vpp, as the formula assumes)
        measured = (makespan - ideal) / ideal,   makespan = last compute end - first compute start, all ranks
@@ -61,7 +62,7 @@ from megatron_lite.pipeline.schedules import Comm, build_schedule  # noqa: E402
 from tools.bench_comm import CommCounter  # noqa: E402
 
 PP, MS = 4, (4, 8, 16)
-CASES = (("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("interleaved", 2), ("gpipe", 2))
+CASES = (("1f1b", 1), ("zb_h1", 1), ("gpipe", 1), ("interleaved", 2), ("zbv", 2), ("gpipe", 2))
 ACT_SHAPE = (1, 16, 32)  # (b, s, h) of every message
 PLOT_M = 8
 
@@ -158,7 +159,8 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
 
     f_chunk, b_chunk = f_s / vpp, 2 * f_s / vpp
     model = StandIn(vpp, ACT_SHAPE[2], f_chunk, b_chunk)
-    executor = PipelineExecutor(rank_chunks(ctx.pp_rank, PP, vpp, PP * vpp), schedule, PP, ctx.pp_rank, ACT_SHAPE,
+    chunks = rank_chunks(ctx.pp_rank, PP, vpp, PP * vpp, v_shape=schedule == "zbv")
+    executor = PipelineExecutor(chunks, schedule, PP, ctx.pp_rank, ACT_SHAPE,
                                 torch.float32, ctx.device, ctx.pp_global_rank, ctx.pp_group)
     executor.record_timeline = True
     batches = [torch.randint(0, 100, (ACT_SHAPE[0], ACT_SHAPE[1] + 1)) for _ in range(m)]  # (b, s+1) tokens
@@ -188,7 +190,8 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
     kinds = {e[2] for tl in med["timelines"] for e in tl}
     mean = {k: statistics.mean(e[1] - e[0] for tl in med["timelines"] for e in tl if e[2] == k) for k in kinds}
     backward = mean["B"] + mean.get("W", 0.0)
-    at_measured_costs = simulate(plan, PP, vpp, m, mean["F"], backward, w_cost=mean.get("W")).makespan  # free messages
+    at_measured_costs = simulate(plan, PP, vpp, m, mean["F"], backward, w_cost=mean.get("W"),
+                                 v_shape=schedule == "zbv").makespan  # messages still free
     peaks = [0] * PP
     for rank, tl in enumerate(med["timelines"]):  # forwards whose W (B without W's) has not run
         held = 0

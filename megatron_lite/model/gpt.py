@@ -256,7 +256,9 @@ class LMHead(nn.Module):
         # The GEMM runs over every (padded) row: with 50,257 columns the logits' leading dimension is odd and
         # cuBLAS falls back to kernels that took gpt-1.3b's head 5x its FLOP time on an H100. The padded
         # columns are then dropped by view: the loss and the returned logits see the true vocabulary only.
-        logits = weight_grad.linear(h, weight)  # (b, s, padded vocab)
+        # Under a zero-bubble schedule the weight gradient is made in B: W would hold the logits' gradient,
+        # (b, s, vocab), per micro-batch; held, it costs the weight's size (parallel/weight_grad.py).
+        logits = F.linear(h, weight_grad.held(weight))  # (b, s, padded vocab)
         if labels is None:
             return logits[..., : self.vocab_size]
         return ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_size, self.kernel_backend).mean()
@@ -413,7 +415,11 @@ class GPT(nn.Module):
 
         Under context parallelism tokens and labels are whole sequences, of which this rank keeps its shard;
         hidden states and logits are this rank's shard, and the loss is this rank's share of the sequence's
-        mean: the sum over the cp ranks is the loss (every rank holds as many tokens)."""
+        mean: the sum over the cp ranks is the loss (every rank holds as many tokens).
+
+        Two chunk indices are not chunks: TIED_WEIGHT returns the tied embedding weight (model/tied.py) and
+        weight_grad.WEIGHT_GRADS the weight-gradient work a zero-bubble schedule's W releases, each as a graph
+        output for the caller's backward (parallel/weight_grad.py)."""
         if chunk == self.TIED_WEIGHT:
             return self.wte.weight * 1.0  # a graph output, so DeepSpeed's backward hooks see the injected gradient
         if chunk == weight_grad.WEIGHT_GRADS:  # a zero-bubble schedule's W step (parallel/weight_grad.py)

@@ -25,9 +25,13 @@ running ZeRO-1/2's gradient hooks, the tied embedding's fp32 hook and the TP all
 gains (`copy_to_tp`) exactly as a whole backward would. The accumulation order over micro-batches is the B
 order of 1F1B, so gradients equal 1F1B's (and the single process's) to fp32 rounding of reordered sums.
 
-Recomputed regions (`recompute`) decide nothing: their forward runs under `kept_in_backward()`, so their
-weight gradients are computed in B. Deferring them would hold every linear's input and output gradient per
-micro-batch until W -- the activations recomputation was chosen not to keep.
+Recomputed regions (`recompute`) run under `kept_in_backward()`: their ops compute weight gradients in B,
+as plain torch does, on stand-ins, and the executor hands those gradients over right after that B, in a W
+of their own (`released(key, after_b=True)`). Deferring their W would hold every linear's input and output
+gradient per micro-batch -- the activations recomputation was chosen not to keep; and handing gradients to
+the parameters inside B would run ZeRO's hooks outside any backward DeepSpeed opened. The LM head takes its
+weight through held(): its gradient is made in B and kept until W (vocab x h), where a deferred matmul would
+keep the logits' gradient (b x s x vocab, larger whenever b*s > h) for every micro-batch waiting for W.
 
 Left out on purpose: deferring inside torch.compile'd graphs (the split path is excluded from compilation, so
 under train.compile the linears and embeddings run eagerly between compiled regions); ZeRO-3 (a partitioned
@@ -60,9 +64,10 @@ class _Deferred:
 class WeightGradStore:
     """One pipeline rank's queued W work, by (micro-batch, chunk)."""
 
-    pending: dict[Key, list[_Deferred]] = field(default_factory=dict)
+    pending: dict[Key, list[_Deferred]] = field(default_factory=dict)  # W's work
+    after_b: dict[Key, list[_Deferred]] = field(default_factory=dict)  # gradients B made, handed over next
     collecting_key: Key | None = None
-    released_key: Key | None = None
+    released: tuple[dict, Key] | None = None  # (pending or after_b, key) while a W runs
 
     @contextlib.contextmanager
     def collecting(self, key: Key):
@@ -70,36 +75,39 @@ class WeightGradStore:
         assert self.collecting_key is None, f"B of {key} inside B of {self.collecting_key}"
         self.collecting_key = key
         self.pending.setdefault(key, [])
+        self.after_b.setdefault(key, [])
         try:
             yield
         finally:
             self.collecting_key = None
 
-    def defer(self, weights: tuple[torch.Tensor | None, ...], compute: Callable) -> None:
-        """Queue compute() for the B being collected."""
+    def defer(self, weights: tuple[torch.Tensor | None, ...], compute: Callable, after_b: bool = False) -> None:
+        """Queue compute() for the B being collected: for its W, or (after_b) for right after it."""
         assert self.collecting_key is not None, "a split step's forward was backpropagated outside its B step"
-        self.pending[self.collecting_key].append(_Deferred(weights, compute))
+        (self.after_b if after_b else self.pending)[self.collecting_key].append(_Deferred(weights, compute))
 
     @contextlib.contextmanager
-    def released(self, key: Key):
-        """W of `key`: inside this block, released_output() hands out its work (the executor's W)."""
-        self.released_key = key
+    def releasing(self, key: Key, after_b: bool = False):
+        """W of `key` (after_b: the gradients its B computed): inside this block, released_output() hands out
+        that work (the executor's W step, or the hand-over that follows a B)."""
+        self.released = (self.after_b if after_b else self.pending, key)
         try:
             yield
         finally:
-            self.released_key = None
+            self.released = None
 
     def weight_output(self) -> torch.Tensor:
-        """The released W: a scalar graph output whose backward computes the queued weight gradients and
+        """The released work: a scalar graph output whose backward computes the queued weight gradients and
         accumulates them into their weights (zero with no graph when B queued nothing)."""
-        work = self.pending.pop(self.released_key)
+        queue, key = self.released
+        work = queue.pop(key)
         weights = tuple(w for item in work for w in item.weights if w is not None)
         if not weights:
             return torch.zeros(())
         return _WeightGrads.apply(work, *weights)
 
     def empty(self) -> bool:
-        return not self.pending
+        return not self.pending and not self.after_b
 
 
 class _WeightGrads(torch.autograd.Function):
@@ -120,6 +128,7 @@ class _WeightGrads(torch.autograd.Function):
 
 
 _split_store: WeightGradStore | None = None  # set by `split` for the length of a zero-bubble step
+_kept = False  # set by `kept_in_backward`: ops compute their weight gradients in B
 
 
 @contextlib.contextmanager
@@ -136,18 +145,19 @@ def split(store: WeightGradStore):
 
 @contextlib.contextmanager
 def kept_in_backward():
-    """Forwards inside this block compute their weight gradients in B (recomputed regions)."""
-    global _split_store
-    previous, _split_store = _split_store, None
+    """Ops run inside this block compute their weight gradients in B (recomputed regions); in a split step,
+    on stand-ins whose gradients the executor hands over right after that B."""
+    global _kept
+    previous, _kept = _kept, True
     try:
         yield
     finally:
-        _split_store = previous
+        _kept = previous
 
 
 def released_output() -> torch.Tensor:
     """The W work released by the executor (WeightGradStore.released), for the model's forward."""
-    assert _split_store is not None and _split_store.released_key is not None, "no W step is running"
+    assert _split_store is not None and _split_store.released is not None, "no W step is running"
     return _split_store.weight_output()
 
 
@@ -212,6 +222,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     store = active_store()
     if store is None:
         return F.linear(x, weight, bias)
+    if _kept:
+        return F.linear(x, _after_b_stand_in(weight, store), _after_b_stand_in(bias, store))
     return _split_op(_Linear, x, stand_in(weight), stand_in(bias), store, (weight, bias))
 
 
@@ -220,20 +232,28 @@ def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     store = active_store()
     if store is None:
         return F.embedding(tokens, weight)
+    if _kept:
+        return F.embedding(tokens, _after_b_stand_in(weight, store))
     return _split_op(_Embedding, tokens, stand_in(weight), store, (weight,))
 
 
 def held(param: torch.Tensor | None) -> torch.Tensor | None:
     """param as an op uses it; in a split step a stand-in whose gradient, computed in B, is queued for W."""
     store = active_store()
-    return param if store is None or param is None else _held_stand_in(param, store)
+    if store is None or param is None:
+        return param
+    return _after_b_stand_in(param, store) if _kept else _held_stand_in(param, store)
 
 
 @torch.compiler.disable
-def _held_stand_in(param: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
+def _held_stand_in(param: torch.Tensor, store: WeightGradStore, after_b: bool = False) -> torch.Tensor:
     leaf = stand_in(param)
-    leaf.register_hook(lambda grad: store.defer((param,), lambda: (grad,)))
+    leaf.register_hook(lambda grad: store.defer((param,), lambda: (grad,), after_b))
     return leaf
+
+
+def _after_b_stand_in(param: torch.Tensor | None, store: WeightGradStore) -> torch.Tensor | None:
+    return None if param is None else _held_stand_in(param, store, after_b=True)
 
 
 @torch.compiler.disable

@@ -126,9 +126,13 @@ class PipelineExecutor:
                 if step.kind == "F":
                     self._run_forward(forward, spec, mb, n_micro, micro_batches[mb], train, inputs, outputs, inbox,
                                       outbox, losses, rng_keys[mb] if rng_keys is not None else None)
+                elif step.kind == "B" and not split:
+                    self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
                 elif step.kind == "B":
-                    with store.collecting((mb, k)) if split else contextlib.nullcontext():
+                    with store.collecting((mb, k)):
                         self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
+                    # recomputed blocks made their weight gradients in this B: handed over now
+                    self._run_weight_grads(weight_forward or forward, store, mb, k, before_backward, after_b=True)
                 else:
                     self._run_weight_grads(weight_forward or forward, store, mb, k, before_backward)
                 t1 = time.perf_counter()
@@ -193,9 +197,10 @@ class PipelineExecutor:
                 outbox[("grad", mb, spec.chunk)] = x.grad
 
     @staticmethod
-    def _run_weight_grads(forward, store, mb: int, chunk: int, before_backward) -> None:
-        """W of chunk `chunk` for micro-batch mb: the work its B queued, run as one backward."""
-        with store.released((mb, chunk)):
+    def _run_weight_grads(forward, store, mb: int, chunk: int, before_backward, after_b: bool = False) -> None:
+        """W of chunk `chunk` for micro-batch mb: the work its B queued, run as one backward (after_b: the
+        gradients that B computed itself, parallel/weight_grad.py)."""
+        with store.releasing((mb, chunk), after_b):
             out = forward(None, chunk=weight_grad.WEIGHT_GRADS)
         if out.grad_fn is None:  # B queued nothing
             return

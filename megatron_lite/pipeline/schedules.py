@@ -14,7 +14,9 @@ Built in two passes:
    backward. 1F1B / interleaved run `warmup` forwards, then one forward + one backward per step (steady
    state), then the backwards still owed (cool-down). zb_h1 (Qi et al. 2024, "ZB-H1") keeps 1F1B's warm-up
    and memory but delays each W: rank r runs r (F, B) pairs before its first W, then (F, B, W) triples, then
-   (B, W) pairs and its last r W's, so the W's fill the idle slots 1F1B leaves at both ends. 1F1B puts a Comm between that forward and backward
+   (B, W) pairs and its last r W's, so the W's fill the idle slots 1F1B leaves at both ends. zbv ("ZB-V",
+   sec. 6) holds two chunks in a V (partition.py: stages r and 2pp-1-r) and runs the paper's order (_zbv).
+   1F1B puts a Comm between that forward and backward
    (Megatron's send_forward_recv_backward / send_backward_recv_forward); interleaved runs the pair as one
    iteration followed by one send_forward_backward_recv_forward_backward: neighbouring warm-ups differ by
    2 forwards, so what a rank needs in its next pair was made in its neighbours' previous pair, and

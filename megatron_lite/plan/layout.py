@@ -21,7 +21,7 @@ class Layout:
     dp: int
     sp: bool
     cp_mode: str
-    schedule: str                 # as resolved: gpipe, 1f1b or interleaved
+    schedule: str                 # as resolved: gpipe, 1f1b, interleaved, zb_h1 or zbv
     zero_stage: int
     offload_optimizer: str
     offload_param: str
@@ -59,8 +59,8 @@ class Layout:
             out.append("parallel.sp=true")
         if self.cp > 1:
             out += [f"parallel.cp={self.cp}", f"parallel.cp_mode={self.cp_mode}"]
-        if self.pp > 1 and self.schedule == "gpipe":
-            out.append("parallel.schedule=gpipe")
+        if self.pp > 1 and self.schedule in ("gpipe", "zb_h1", "zbv"):  # not what auto picks
+            out.append(f"parallel.schedule={self.schedule}")
         if self.pp_layers is not None:
             out.append("parallel.pp_layers=[" + ",".join(map(str, self.pp_layers)) + "]")
         out.append(f"zero.stage={self.zero_stage}")

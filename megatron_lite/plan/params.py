@@ -65,9 +65,11 @@ def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
 
 
 def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
-                pp_layers: list[int] | tuple[int, ...] | None = None) -> tuple[Param, ...]:
-    """The parameters pipeline rank `pp_rank` holds on each of its TP ranks (all hold the same sizes)."""
-    return _rank_params(model_key(cfg), tp, pp, vpp, pp_rank, tuple(pp_layers) if pp_layers is not None else None)
+                pp_layers: list[int] | tuple[int, ...] | None = None, v_shape: bool = False) -> tuple[Param, ...]:
+    """The parameters pipeline rank `pp_rank` holds on each of its TP ranks (all hold the same sizes);
+    v_shape: the chunks sit in a V (zbv)."""
+    return _rank_params(model_key(cfg), tp, pp, vpp, pp_rank, tuple(pp_layers) if pp_layers is not None else None,
+                        v_shape)
 
 
 _FIELDS = tuple(f.name for f in fields(ModelConfig))
@@ -79,10 +81,11 @@ def model_key(cfg: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_params(key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers: tuple[int, ...] | None
-                 ) -> tuple[Param, ...]:
+def _rank_params(key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers: tuple[int, ...] | None,
+                 v_shape: bool) -> tuple[Param, ...]:
     cfg = ModelConfig(*key)
-    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, list(pp_layers) if pp_layers is not None else None)
+    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, list(pp_layers) if pp_layers is not None else None,
+                         v_shape)
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
     vocab_rows = padded_vocab(cfg, tp) // tp
     out: list[Param] = []

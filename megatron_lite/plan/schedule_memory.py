@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from megatron_lite.pipeline.schedules import iterations
+from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, iterations
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,21 @@ def _dominated(a: Moment, b: Moment) -> bool:
 @functools.lru_cache(maxsize=8192)
 def moments(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> tuple[Moment, ...]:
     """The moments of rank `pp_rank` that can hold its peak: after each forward, and during each backward (its
-    chunk's activations for that micro-batch still held)."""
+    chunk's activations for that micro-batch still held). Zero-bubble schedules are priced as if a micro-batch
+    held all its activations until its W (what W needs, its linears' inputs and output gradients, is most of
+    them), so their weight gradients exist from the first W on: an upper bound."""
     held, grads, seen = [0] * vpp, [False] * vpp, set()
+    release = "W" if schedule in SPLIT_BACKWARD else "B"
     for it in iterations(schedule, pp, vpp, m, pp_rank):
         for step in it:
             c = step.chunk
             if step.kind == "F":
                 held[c] += 1
                 seen.add(Moment(tuple(held), None, tuple(grads)))
-            else:
+                continue
+            if step.kind == "B":
                 seen.add(Moment(tuple(held), c, tuple(grads)))
+            if step.kind == release:
                 held[c] -= 1
                 grads[c] = True
     return tuple(x for x in seen if not any(_dominated(x, y) for y in seen))

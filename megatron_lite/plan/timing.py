@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.metrics import layer_flops_per_token
-from megatron_lite.pipeline.partition import stage_layers
+from megatron_lite.pipeline.partition import stage_layers, virtual_stage
 from megatron_lite.pipeline.schedules import build_schedule
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
 from megatron_lite.plan.activations import head_vocab
@@ -105,12 +105,13 @@ class _Work:
 def schedule_bubble(name: str, pp: int, vpp: int, m: int) -> float:
     """(makespan - ideal) / ideal of the schedule: the simulator's figure (the same for any forward/backward
     cost ratio, tests/unit/test_pipeline_schedules.py) for schedules it runs quickly, its closed form beyond
-    (which the same tests hold it to)."""
+    (which the same tests hold it to). Zero-bubble schedules at F = B = W (forward 1, backward 2, half of it W),
+    the paper's setting and a dense transformer's rough proportions."""
     if pp == 1:
         return 0.0
     if pp * vpp * m > SIMULATE_UP_TO:
         return expected_bubble(name, pp, vpp, m)
-    return simulate(build_schedule(name, pp, vpp, m), pp, vpp, m).bubble
+    return simulate(build_schedule(name, pp, vpp, m), pp, vpp, m, name=name).bubble
 
 
 class StepModel:
@@ -223,7 +224,7 @@ class StepModel:
         for r in range(lay.pp):
             chunks = []
             for c in range(lay.vpp):
-                v = c * lay.pp + r
+                v = virtual_stage(r, c, lay.pp, lay.schedule == "zbv")
                 f, b = _Work(), _Work()
                 for layer in stages[v]:
                     f = f + fwd

@@ -127,15 +127,21 @@ def test_full_3d_matches_single_process(references, tmp_path):
 
 
 def test_pipeline_exact_resume(tmp_path):
-    """pp=2 x vpp=2, ZeRO-1: 8 straight steps (saving at 4) vs a fresh world resuming at 4: <= 1e-6."""
+    """pp=2 x vpp=2, ZeRO-1: 8 straight steps (saving at 4) vs a fresh world resuming at 4: <= 1e-6. The same
+    checkpoint resumed by zbv, whose V holds other stages on each rank (stages r and 3-r, not r and 2+r): the
+    universal conversion, 1e-4 as every conversion test."""
     layout = ["parallel.pp=2", "parallel.vpp=2", "zero.stage=1", "train.steps=8", "checkpoint.keep=0"]
     (straight,) = run_configs(2, [overrides(tmp_path, "straight", *layout, "checkpoint.interval=4")], tmp_path)
-    (resumed,) = run_configs(2, [overrides(tmp_path, "resumed", *layout, f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                           f"checkpoint.resume={tmp_path}/straight/checkpoints/{step_name(4)}")],
-                             tmp_path)
-    assert len(resumed["losses"]) == 4
+    resume = f"checkpoint.resume={tmp_path}/straight/checkpoints/{step_name(4)}"
+    resumed, zbv = run_configs(2, [
+        overrides(tmp_path, "resumed", *layout, f"checkpoint.dir={tmp_path}/resumed_ckpt", resume),
+        overrides(tmp_path, "resumed_zbv", *layout, "parallel.schedule=zbv", f"checkpoint.dir={tmp_path}/zbv_ckpt",
+                  resume)], tmp_path)
+    assert len(resumed["losses"]) == len(zbv["losses"]) == 4
     assert max_abs_diff(resumed["losses"], straight["losses"][-4:]) <= 1e-6
     assert max_relative_diff(resumed["grad_norms"], straight["grad_norms"][-4:]) <= 1e-6
+    assert max_abs_diff(zbv["losses"], straight["losses"][-4:]) <= TOL
+    assert max_relative_diff(zbv["grad_norms"], straight["grad_norms"][-4:]) <= TOL
     with open(os.path.join(tmp_path, "straight", "checkpoints", step_name(4), "meta.json")) as f:
         layout_saved = json.load(f)["layout"]
     assert (layout_saved["pp"], layout_saved["vpp"], layout_saved["layers_per_stage"]) == (2, 2, [1, 1, 1, 1])
