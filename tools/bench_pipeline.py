@@ -229,7 +229,7 @@ def plot_timeline(row: dict, path: str) -> None:
     kinds = [k for k in "FBW" if any(e[2] == k for tl in row["timelines"] for e in tl)]
     vpp, panels = row["vpp"], (("executed (gloo, sleep-based chunks)", row["timelines"]),
                                ("simulated (same costs, free messages)", row["sim_timelines"]))
-    fig, axes = plt.subplots(2, 1, figsize=(15, 5.2), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(15, 5.6), sharex=True)
     for ax, (title, timelines) in zip(axes, panels):
         for rank, tl in enumerate(timelines):
             for start, end, kind, mb, chunk in tl:
@@ -244,12 +244,12 @@ def plot_timeline(row: dict, path: str) -> None:
     names = {"F": "forward", "B": "input gradient (B)" if "W" in kinds else "backward", "W": "weight gradient (W)"}
     handles = [Patch(color=colour[(k, c)], label=names[k] + (f" chunk {c} ({'ab'[c]})" if vpp > 1 else ""))
                for k in kinds for c in range(vpp)]
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     costs = (f"F={row['f_chunk_ms']:.0f} ms, B=W={row['b_chunk_ms'] / 2:.0f} ms" if "W" in kinds
              else f"F={row['f_chunk_ms']:.0f} ms, B={row['b_chunk_ms']:.0f} ms")
     fig.suptitle(f"pp={PP} m={row['m']} {row['schedule']} vpp={vpp}: bubble measured {row['measured']:.3f}, "
                  f"simulated {row['theory']:.3f}  ({costs} per chunk)", x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0.05, 1, 0.93))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -328,6 +328,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per case, after one warm-up")
     ap.add_argument("--schedules", nargs="+", default=None, help="only these schedules (default: every case)")
     ap.add_argument("--no-zero", action="store_true", help="skip the ZeRO-1 vs ZeRO-2 collective counts")
+    ap.add_argument("--ms", type=int, nargs="+", default=list(MS), help="micro-batches per step (default 4 8 16)")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:  # relaunch under torchrun
         from megatron_lite.parallel.context import free_port
@@ -353,7 +354,7 @@ def main(argv=None) -> None:
     ctx = ParallelContext.build(1, PP)
     hop = hop_ms(ctx)
     cases = [(s, vpp) for s, vpp in CASES if args.schedules is None or s in args.schedules]
-    rows = [run_case(ctx, schedule, vpp, m, args.f_ms / 1e3, args.steps) for m in MS for schedule, vpp in cases]
+    rows = [run_case(ctx, schedule, vpp, m, args.f_ms / 1e3, args.steps) for m in args.ms for schedule, vpp in cases]
     counter, zero = CallCounter({}), {}
     for stage in () if args.no_zero else (1, 2):
         per_rank = [None] * dist.get_world_size() if ctx.rank == 0 else None
