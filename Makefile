@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Every wheel beyond torch for an offline node: `make wheelhouse PYVER=3.12`, copy the folder next to the
-# checkout there, then `make install` (or `make bench-gpu`) uses it without the network (README, "Performance").
+# checkout there, then `make install` (or `make bench-gpu`) uses it without the network (docs/performance.md, "Performance").
 wheelhouse: install
 	$(PY) tools/wheelhouse.py --python-version $(PYVER) --out $(WHEELHOUSE) $(ARGS)
 

@@ -238,8 +238,8 @@ class ClusterConfig:
     inter_node_GBps: Optional[float] = None
     """A node's network bandwidth, all NICs together, GB/s; None: that of the GPU's DGX/HGX node (8 NICs)."""
     achievable: float = 0.65
-    """Fraction of the bf16 dense peak that GEMMs and attention sustain (an assumption; see README 'Choosing a
-    layout')."""
+    """Fraction of the bf16 dense peak that GEMMs and attention sustain (an assumption; see docs/performance.md
+    'Choosing a layout')."""
     reserve_gib: float = 2.0
     """Memory per GPU that tensors cannot use: CUDA context, NCCL buffers, allocator fragmentation."""
 

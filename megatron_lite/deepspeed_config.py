@@ -79,7 +79,7 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
                 **({"fused": True} if torch.cuda.is_available() and not offload_opt else {}),
             },
         },
-        # bf16: see holds_bf16 (README, "Mixed precision").
+        # bf16: see holds_bf16 (docs/precision.md, "Mixed precision").
         "bf16": {"enabled": bf16_params},
         **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"} if bf16_params else {}),
         "steps_per_print": 1 << 30,

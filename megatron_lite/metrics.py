@@ -1,6 +1,6 @@
 """FLOPs model, MFU/HFU, and the per-step record to JSONL, console and wandb (global rank 0 only).
 
-FLOPs convention (DESIGN §2; the README states it for users): an exact count of the GEMMs, 2 FLOPs per
+FLOPs convention (DESIGN §2; docs/performance.md states it for users): an exact count of the GEMMs, 2 FLOPs per
 multiply-add. With h = d_model, a = n_heads, k = n_kv_heads, d = h / a, f = ffn_hidden, s = seq_len,
 V = vocab_size (the true vocabulary, not the padded embedding), one token costs in the forward pass
 

@@ -59,7 +59,7 @@ def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
     """The share of the schedule's time that pipeline ranks spent not computing, averaged over the pipeline:
     1 - mean(compute seconds) / (longest schedule), None without a pipeline. Idle time counts wherever it
     falls (waiting for a message, or done early while the last rank finishes). With equal costs its theory
-    is b / (1 + b) for the bubble b = (pp-1)/(vpp*m) of the ideal time (README, "Pipeline parallelism")."""
+    is b / (1 + b) for the bubble b = (pp-1)/(vpp*m) of the ideal time (docs/pipeline.md)."""
     if ctx.pp_size == 1:
         return None
     mine = torch.tensor([stats.wall_s, stats.busy_s], dtype=torch.float64, device=ctx.device)

@@ -33,7 +33,7 @@ def check_line(p: Prediction, cluster: Cluster) -> str:
     return (f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
             f"{p.usable_bytes / GIB:.1f} GiB a {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
             f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
-            "(predicted: README 'Choosing a layout')")
+            "(predicted: docs/performance.md 'Choosing a layout')")
 
 
 def does_not_fit(p: Prediction, cluster: Cluster, fixes: list[tuple[list[str], Prediction]]) -> str:
@@ -84,5 +84,5 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
                      f"{p.step.total_s:>8.3g} {p.tokens_per_s:>11,.0f} {p.tflops_per_gpu:>7.0f} {100 * p.mfu:>5.1f}%")
         lines.append(f"      {' '.join(lay.overrides())}")
     lines.append("cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
-                 "(README 'Choosing a layout').")
+                 "(docs/performance.md 'Choosing a layout').")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ fp32 gradient accumulation and fp32 communication. With N ranks sharing the para
 on the rank in two AdamW groups of n_g elements, b bytes per DeepSpeed parameter (2 bf16, 4 fp32):
 
   ZeRO-0    the model's fp32 parameters 4P, AdamW moments 8P, a 4-byte step counter per tensor; fp32 .grad 4P
-            from the first backward of a step to its end (README "Mixed precision": bf16 runs under autocast)
+            from the first backward of a step to its end (docs/precision.md "Mixed precision": bf16 runs under autocast)
   ZeRO-1/2  one flat buffer per group padded to A_g = ceil(n_g / 2N) * 2N elements (b A_g; the model's tensors
             are views of it) and this rank's partition S_g = A_g / N as an fp32 master copy 4 S_g (a clone even
             in fp32) with moments 8 S_g (stage_1_and_2.py: nccl_start_alignment_factor 2, single_partition_of_

@@ -146,7 +146,7 @@ def test_an_added_node_resumes_on_more_ranks(tmp_path, straight_two_ranks):
     next step boundary), re-forms the job with two nodes, and the world of two ranks resumes it (dp 1 -> 2);
     no step runs twice. torch 2.13 needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for this: with the shared store
     the agent that was rank 0 keeps the first round's store address and never publishes it for the new round,
-    and the joining agent waits for it until DistStoreError (README, "Faults and restarts")."""
+    and the joining agent waits for it until DistStoreError (docs/checkpoints-and-faults.md, "Faults and restarts")."""
     run_dir, port, env = f"{tmp_path}/run", free_port(), {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     first = start_node(tmp_path, port, **env)
     second = None

@@ -8,10 +8,10 @@
    each other <= 1.4e-4 and 8.2e-4, from ZeRO-0 (fp32 weights under autocast) <= 5.8e-4 and 3.1e-3.
    Tolerances: 3e-3 on the loss (absolute), 1.5e-2 on the norm (relative); a gradient off by a factor (a wrong
    accumulation or DP scale) moves the norm by that factor.
-2. Accumulation (engine.py, "Mixed precision"): 512 micro-batches, every one the same sequence (the data is a
-   sequence repeated), so each adds the same 1/512 of the gradient. Summed in fp32 that is exact; summed in
-   bf16 the running sum stops growing once an addend falls under half its last bit (at ~256 addends) — the
-   norm comes out ~27% low (measured with DeepSpeed's bf16 accumulation, on ZeRO 0, 1, 2 and 3: 26.7%).
+2. Accumulation (engine.py; docs/precision.md, "Mixed precision"): 512 micro-batches, every one the same sequence
+   (the data is a sequence repeated), so each adds the same 1/512 of the gradient. Summed in fp32 that is exact;
+   summed in bf16 the running sum stops growing once an addend falls under half its last bit (at ~256 addends) —
+   the norm comes out ~27% low (measured with DeepSpeed's bf16 accumulation, on ZeRO 0, 1, 2 and 3: 26.7%).
    Measured with fp32 accumulation: <= 0.24% from the fp32 run on every stage. Tolerance 1%.
 """
 
