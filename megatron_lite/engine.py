@@ -44,7 +44,8 @@ class Engine:
     """One model replica's DeepSpeed engine plus the pipeline executor that runs its micro-batches."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext,
-                 load_universal: bool = False):
+                 load_universal: bool = False, layout: Layout | None = None):
+        """layout: the run's Layout (training builds it once); from cfg and the world size when not given."""
         import deepspeed
 
         self.cfg, self.ctx = cfg, ctx
@@ -52,7 +53,8 @@ class Engine:
             honour_explicit_zero3_dtype()
         self.ds_config = deepspeed_config(cfg, ctx.dp_size, load_universal)
         t = cfg.train
-        self.accum = Layout.of_run(cfg, ctx.world_size).accumulation  # micro-batches per step on each pipeline
+        layout = layout if layout is not None else Layout.of_run(cfg, ctx.world_size)
+        self.accum = layout.accumulation  # micro-batches per step on each pipeline
         first, last = any(c.has_embedding for c in model.chunks), any(c.has_head for c in model.chunks)
         if cfg.model.tie_embeddings and first != last:  # one end here, the other on another rank (not in a V)
             model.tied = TiedEmbedding(model.wte.weight, ctx.embed_group, is_head_copy=ctx.pp_rank == ctx.pp_size - 1)

@@ -131,7 +131,7 @@ def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     if cfg.train.compile:
         model.compile_blocks()
-    engine = Engine(cfg, model, ctx, load_universal=universal)
+    engine = Engine(cfg, model, ctx, load_universal=universal, layout=layout)
 
     start_step, consumed, wandb_id = 0, 0, None
     if meta is not None:
