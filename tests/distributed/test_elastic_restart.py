@@ -105,12 +105,16 @@ def straight_two_ranks(tmp_path_factory):
 
 
 def follows(got: list[dict], straight: dict) -> None:
-    """Every logged step equals the uninterrupted 2-rank run's at that step within 1e-4 (the elastic DP load:
-    the same global batch in another accumulation split, as tests/distributed/test_resume.py)."""
+    """Every logged step equals the uninterrupted 2-rank run's at that step: losses within 1e-4, gradient norms
+    within 3e-4 relative (the elastic DP load: the same global batch in another accumulation split, as
+    tests/distributed/test_resume.py, here for up to 18 steps, and from a step the stop signal's timing picks:
+    the reordered fp32 sums compound; measured up to 1.4e-4 at step 18 after a resume at step 4-5). A wrong
+    DP or accumulation scale moves the norm by its factor."""
     for r in got:
         i = r["step"] - 1
         assert abs(r["loss"] - straight["losses"][i]) <= 1e-4, (r["step"], r["loss"], straight["losses"][i])
-        assert abs(r["grad_norm"] - straight["grad_norms"][i]) <= 1e-4 * straight["grad_norms"][i], r["step"]
+        gap = abs(r["grad_norm"] - straight["grad_norms"][i]) / straight["grad_norms"][i]
+        assert gap <= 3e-4, (r["step"], r["grad_norm"], straight["grad_norms"][i], gap)
 
 
 def test_a_lost_node_resumes_on_fewer_ranks(tmp_path, straight_two_ranks):
