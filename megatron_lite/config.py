@@ -89,8 +89,9 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism alongside tensor parallelism."""
     schedule: str = "auto"
-    """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b, interleaved, or zb_h1 (zero
-    bubble: weight gradients delayed into 1F1B's idle slots, about a third of its bubble at the same memory)."""
+    """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b, interleaved, zb_h1 (zero
+    bubble: weight gradients delayed into 1F1B's idle slots, about a third of its bubble at the same memory) or
+    zbv (vpp=2 in a V, about a sixth)."""
     pp_layers: Optional[list[int]] = None
     """Layers per virtual stage (pp * vpp entries, in virtual-stage order); None splits model.n_layers evenly."""
     cp: int = 1

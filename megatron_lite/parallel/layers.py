@@ -66,10 +66,12 @@ class _SequenceGatherLinear(torch.autograd.Function):
     Under a zero-bubble schedule (parallel/weight_grad.py) the weight gradients, gather included, wait for W."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group, store, weights):
+    def forward(ctx, x_shard, weight, bias, group, store, weights, after_b):
         """store, weights: a split step's WeightGradStore and the weight tensors that weight and bias stand in
-        for (parallel/weight_grad.py); store None otherwise."""
+        for (parallel/weight_grad.py); store None otherwise. after_b: a recomputed region's, handed over right
+        after its B."""
         ctx.group, ctx.store, ctx.weights, ctx.has_bias = group, store, weights, bias is not None
+        ctx.after_b = after_b
         ctx.save_for_backward(x_shard, weight)
         return F.linear(_all_gather(x_shard, SEQ_DIM, group), weight, bias)  # (b, s, out/tp)
 
@@ -89,9 +91,9 @@ class _SequenceGatherLinear(torch.autograd.Function):
 
         grad_x = _reduce_scatter(grad_x, SEQ_DIM, ctx.group)
         if ctx.store is not None:
-            ctx.store.defer(ctx.weights, weight_grads)
-            return grad_x, None, None, None, None, None
-        return grad_x, *weight_grads(), None, None, None
+            ctx.store.defer(ctx.weights, weight_grads, ctx.after_b)
+            return grad_x, None, None, None, None, None, None
+        return grad_x, *weight_grads(), None, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -126,9 +128,9 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:  # x: (b, s/tp, h) sequence shard
             store = weight_grad.active_store()
             if store is None:
-                return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group, None, None)
+                return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group, None, None, False)
             return _SequenceGatherLinear.apply(x, weight_grad.stand_in(self.weight), weight_grad.stand_in(bias),
-                                               self.tp_group, store, (self.weight, bias))
+                                               self.tp_group, store, (self.weight, bias), weight_grad.kept())
         return weight_grad.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (b, s, out/tp)
 
 

@@ -19,7 +19,7 @@ no ZeRO hook. Each op hands the store a closure for its weight gradient instead:
                       it again in W would only read them twice; holding it keeps ZeRO's gradient hooks in W.
 
 W is one autograd backward of a graph output whose inputs are every weight tensor the
-queued closures feed (`store.released(key)`, `released_output()`: the model's forward returns it for
+queued closures feed (`store.releasing(key)`, `released_output()`: the model's forward returns it for
 chunk=WEIGHT_GRADS, so that DeepSpeed's backward hooks open and close W as any backward): autograd sums a parameter's contributions and accumulates each once into `.grad`,
 running ZeRO-1/2's gradient hooks, the tied embedding's fp32 hook and the TP all-reduce of sequence-parallel
 gains (`copy_to_tp`) exactly as a whole backward would. The accumulation order over micro-batches is the B
@@ -27,7 +27,7 @@ order of 1F1B, so gradients equal 1F1B's (and the single process's) to fp32 roun
 
 Recomputed regions (`recompute`) run under `kept_in_backward()`: their ops compute weight gradients in B,
 as plain torch does, on stand-ins, and the executor hands those gradients over right after that B, in a W
-of their own (`released(key, after_b=True)`). Deferring their W would hold every linear's input and output
+of their own (`releasing(key, after_b=True)`). Deferring their W would hold every linear's input and output
 gradient per micro-batch -- the activations recomputation was chosen not to keep; and handing gradients to
 the parameters inside B would run ZeRO's hooks outside any backward DeepSpeed opened. The LM head takes its
 weight through held(): its gradient is made in B and kept until W (vocab x h), where a deferred matmul would
@@ -95,6 +95,14 @@ class WeightGradStore:
             yield
         finally:
             self.released = None
+
+    def nothing_queued(self, key: Key, after_b: bool = False) -> bool:
+        """Whether B queued no work for this W (its entry is then dropped): the executor skips the W."""
+        queue = self.after_b if after_b else self.pending
+        if any(w is not None for item in queue[key] for w in item.weights):
+            return False
+        del queue[key]
+        return True
 
     def weight_output(self) -> torch.Tensor:
         """The released work: a scalar graph output whose backward computes the queued weight gradients and
@@ -164,6 +172,11 @@ def released_output() -> torch.Tensor:
 def active_store() -> WeightGradStore | None:
     """The store of the split step running now, if gradients are being recorded; else None."""
     return _split_store if torch.is_grad_enabled() else None
+
+
+def kept() -> bool:
+    """Whether ops run now compute their weight gradients in B (inside kept_in_backward)."""
+    return _kept
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -106,7 +106,7 @@ class PipelineExecutor:
         step."""
         stats = StepStats(loss=None)
         split = train and self.schedule_name in SPLIT_BACKWARD
-        store = weight_grad.WeightGradStore()
+        store, weight_forward = weight_grad.WeightGradStore(), weight_forward or forward
         n_micro = len(micro_batches)
         assert rng_keys is None or len(rng_keys) == n_micro, (len(rng_keys), n_micro)
         inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> the chunk's input (needs its grad)
@@ -132,9 +132,9 @@ class PipelineExecutor:
                     with store.collecting((mb, k)):
                         self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
                     # recomputed blocks made their weight gradients in this B: handed over now
-                    self._run_weight_grads(weight_forward or forward, store, mb, k, before_backward, after_b=True)
+                    self._run_weight_grads(weight_forward, store, mb, k, before_backward, after_b=True)
                 else:
-                    self._run_weight_grads(weight_forward or forward, store, mb, k, before_backward)
+                    self._run_weight_grads(weight_forward, store, mb, k, before_backward)
                 t1 = time.perf_counter()
                 stats.busy_s += t1 - t0
                 kept = sum(o.untyped_storage().nbytes() for (_, chunk), o in outputs.items()
@@ -199,11 +199,12 @@ class PipelineExecutor:
     @staticmethod
     def _run_weight_grads(forward, store, mb: int, chunk: int, before_backward, after_b: bool = False) -> None:
         """W of chunk `chunk` for micro-batch mb: the work its B queued, run as one backward (after_b: the
-        gradients that B computed itself, parallel/weight_grad.py)."""
+        gradients that B computed itself, parallel/weight_grad.py). Nothing queued, nothing runs: no forward
+        through the engine after every B of a run without recomputation."""
+        if store.nothing_queued((mb, chunk), after_b):
+            return
         with store.releasing((mb, chunk), after_b):
             out = forward(None, chunk=weight_grad.WEIGHT_GRADS)
-        if out.grad_fn is None:  # B queued nothing
-            return
         if before_backward is not None:
             before_backward()
         torch.autograd.backward(out)
