@@ -14,8 +14,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, validate
+from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config
 from megatron_lite.errors import ConfigError, RunError
+from megatron_lite.validation import check, validate
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 ConfigStore.instance().store(name="schema", node=Config)
@@ -58,15 +59,11 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 
 def load(overrides: list[str], world_size: int | None = None) -> Config:
-    """Compose and validate; world_size defaults to torchrun/Slurm's WORLD_SIZE (1 for `python train.py`)."""
+    """Compose and check (validation.check); world_size defaults to torchrun/Slurm's WORLD_SIZE (1 for
+    `python train.py`)."""
     cfg = OmegaConf.to_object(compose_config(overrides))
     cfg.optim.betas = tuple(cfg.optim.betas)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size)
-    from megatron_lite.checkpoint.resume import check_resume
-
-    check_resume(cfg, world_size)
+    check(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
     return cfg
 
 
@@ -151,9 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "--cfg":
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
-        from megatron_lite.deepspeed_config import check_offload_support
-
-        check_offload_support(cfg)
         if mode == "--check":
             return _check(cfg, json_path)
     except ConfigError as err:

@@ -1,26 +1,19 @@
 """The configuration schema: Hydra structured configs, one dataclass per group.
 
 YAML files under `configs/` hold presets only (model shapes); every key a user can override is a field
-here, with its meaning in the docstring line beneath it. `validate(cfg, world_size)` checks everything that
-can be checked before a process group or a model exists and raises `ConfigError` with one line that names
-the key as typed, the value, why it is wrong and a fix.
+here, with its meaning in the docstring line beneath it. megatron_lite/validation.py checks a composed config.
 
 Left out on purpose: expert parallelism (no config keys until it exists).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import MISSING
 
-from megatron_lite.errors import ConfigError
-from megatron_lite.pipeline.partition import layers_per_stage
-from megatron_lite.pipeline.schedules import SCHEDULE_CHOICES, SPLIT_BACKWARD, resolve_schedule
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_PRESETS = ("tiny", "gpt2-124m", "gpt2-350m", "gpt-1.3b", "llama-7b", "llama-tiny")
@@ -263,216 +256,6 @@ class Config:
     """Seed of weights, data order and dropout."""
 
 
-def _fail(key: str, value, why: str, fix: str) -> None:
-    raise ConfigError(f"{key}={value} {why}; {fix}")
-
-
-def _choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        _fail(key, value, "is not a valid choice", f"use one of {', '.join(map(str, allowed))}")
-
-
-def _divisors(n: int) -> str:
-    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
-    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
-
-
 def repo_path(path: str) -> str:
     """Resolve a data/tokenizer path: absolute as given, else relative to the repo root."""
     return path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
-
-
-def validate(cfg: Config, world_size: int) -> None:
-    """Check cfg for this world size; raise ConfigError with a one-line explanation on the first problem."""
-    m, p, z, t, o = cfg.model, cfg.parallel, cfg.zero, cfg.train, cfg.optim
-
-    # --- model shape ---
-    for key in ("n_layers", "n_heads", "d_model", "vocab_size", "seq_len"):
-        if getattr(m, key) <= 0:
-            _fail(f"model.{key}", getattr(m, key), "must be positive", "pick a positive integer")
-    if m.d_model % m.n_heads:
-        _fail("model.n_heads", m.n_heads, f"must divide model.d_model={m.d_model}",
-              f"try {_divisors(m.d_model)}")
-    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
-        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}",
-              f"try {_divisors(m.n_heads)}")
-    if m.ffn_hidden is not None and m.ffn_hidden <= 0:
-        _fail("model.ffn_hidden", m.ffn_hidden, "must be positive", "pick a positive integer or null for 4*d_model")
-    _choice("model.norm", m.norm, ("layernorm", "rmsnorm"))
-    _choice("model.activation", m.activation, ("gelu", "swiglu"))
-    _choice("model.position", m.position, ("learned", "rope"))
-    if m.position == "rope" and m.head_dim % 2:
-        _fail("model.position", m.position, f"needs an even head dim, got {m.head_dim}",
-              "change model.d_model or model.n_heads")
-    if not 0.0 <= m.dropout < 1.0:
-        _fail("model.dropout", m.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
-
-    # --- parallel layout ---
-    for key in ("tp", "pp", "vpp", "cp"):
-        if getattr(p, key) < 1:
-            _fail(f"parallel.{key}", getattr(p, key), "must be >= 1", "use 1 to disable")
-    if world_size % (p.tp * p.cp * p.pp):
-        key, val = ("parallel.cp", p.cp) if p.cp > 1 else ("parallel.tp", p.tp)
-        _fail(key, val, f"makes tp*cp*pp={p.tp * p.cp * p.pp} (tp={p.tp}, cp={p.cp}, pp={p.pp}), which must divide the "
-              f"world size {world_size}", f"pick tp*cp*pp among {_divisors(world_size)}")
-    for key, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn)):
-        if val % p.tp:
-            # KV heads are split, never replicated, so tp must divide them too (see model/parallelize.py).
-            _fail("parallel.tp", p.tp, f"must divide {key}={val}", f"try {_divisors(val)}")
-    if p.sp and m.seq_len % p.tp:
-        _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
-              "change model.seq_len or parallel.tp")
-    _validate_context_parallel(cfg)
-    _validate_cluster(cfg.cluster)
-    dp = world_size // (p.tp * p.cp * p.pp)
-    _validate_pipeline(cfg, dp)
-
-    # --- ZeRO ---
-    _choice("zero.stage", z.stage, (0, 1, 2, 3))
-    _choice("zero.offload_optimizer", z.offload_optimizer, ("none", "cpu", "nvme"))
-    _choice("zero.offload_param", z.offload_param, ("none", "cpu", "nvme"))
-    if z.offload_optimizer != "none" and z.stage == 0:
-        _fail("zero.offload_optimizer", z.offload_optimizer, "needs zero.stage >= 1",
-              "set zero.stage=1, 2 or 3")
-    if z.offload_param != "none" and z.stage != 3:
-        _fail("zero.offload_param", z.offload_param, f"needs zero.stage=3 (got {z.stage})",
-              "set zero.stage=3 or zero.offload_param=none")
-
-    # --- batch and steps ---
-    for key in ("steps", "global_batch_size", "micro_batch_size"):
-        if getattr(t, key) <= 0:
-            _fail(f"train.{key}", getattr(t, key), "must be positive", "pick a positive integer")
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"must be a multiple of train.micro_batch_size={t.micro_batch_size} x dp={dp}",
-              f"use {t.micro_batch_size * dp * max(1, t.global_batch_size // (t.micro_batch_size * dp))}"
-              " or change train.micro_batch_size")
-    _choice("train.precision", t.precision, ("auto", "fp32", "bf16"))
-    _choice("train.recompute", t.recompute, ("none", "selective", "full"))
-    if t.recompute_every < 1:
-        _fail("train.recompute_every", t.recompute_every, "must be >= 1", "use 1 (every layer) or k (every k-th)")
-    for key in ("timeout_s", "step_timeout_s"):
-        if getattr(cfg.dist, key) < 1:
-            _fail(f"dist.{key}", getattr(cfg.dist, key), "must be >= 1 (seconds)", "use e.g. 600 / 300")
-    if t.max_skipped_in_row < 0:
-        _fail("train.max_skipped_in_row", t.max_skipped_in_row, "must be >= 0", "use 5, or 0 to never stop")
-    if t.compile and cfg.zero.stage == 3:
-        _fail("train.compile", True, "does not work with zero.stage=3 (ZeRO-3 gathers and frees parameters in "
-              "module hooks that a compiled block would trace through)", "use zero.stage=1 or 2, or train.compile=false")
-    if t.grad_clip < 0:
-        _fail("train.grad_clip", t.grad_clip, "must be >= 0", "use 1.0, or 0 to disable clipping")
-    if t.eval_interval < 0 or t.eval_iters <= 0:
-        key, val = ("train.eval_interval", t.eval_interval) if t.eval_interval < 0 else ("train.eval_iters", t.eval_iters)
-        _fail(key, val, "is out of range", "eval_interval >= 0 (0 = never), eval_iters >= 1")
-    if t.log_interval <= 0:
-        _fail("train.log_interval", t.log_interval, "must be positive", "use 1")
-
-    # --- optimizer ---
-    if not (o.lr > 0 and math.isfinite(o.lr)):
-        _fail("optim.lr", o.lr, "must be a positive number", "use e.g. 3e-4")
-    if o.min_lr < 0 or o.min_lr > o.lr:
-        _fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]", "use e.g. optim.lr / 10")
-    if o.warmup_steps < 0:
-        _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0", "use e.g. 1% of train.steps")
-    _choice("optim.decay", o.decay, ("cosine", "linear", "constant"))
-    if o.weight_decay < 0:
-        _fail("optim.weight_decay", o.weight_decay, "must be >= 0", "use e.g. 0.1")
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        _fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)", "use [0.9,0.95]")
-
-    # --- data, checkpoints, logging ---
-    data_dir = repo_path(cfg.data.path)
-    if not os.path.exists(os.path.join(data_dir, "meta.json")):
-        _fail("data.path", cfg.data.path, "has no prepared data (meta.json missing)",
-              f"run `make data` or `python tools/prepare_data.py --tokenizer {cfg.data.tokenizer} --out {cfg.data.path}`")
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        data_vocab = json.load(f).get("vocab_size", 0)
-    if data_vocab > m.vocab_size:
-        _fail("model.vocab_size", m.vocab_size, f"is smaller than data.path={cfg.data.path}'s tokenizer ({data_vocab} "
-              "tokens)", f"use model.vocab_size>={data_vocab} or data prepared with a smaller tokenizer")
-    if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0:
-        key = "checkpoint.interval" if cfg.checkpoint.interval < 0 else "checkpoint.keep"
-        _fail(key, getattr(cfg.checkpoint, key.split(".")[1]), "must be >= 0", "use 0 to disable")
-    r = cfg.checkpoint.resume
-    if r not in ("auto", "never") and not os.path.isfile(os.path.join(r, "meta.json")):
-        _fail("checkpoint.resume", r, "is not a complete checkpoint directory (no meta.json)",
-              "use auto, never, or a path to a step_<N> directory")
-    _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("auto", "offline", "online", "disabled"))
-    _choice("kernels.backend", cfg.kernels.backend, ("auto", "triton", "torch"))
-    if cfg.kernels.backend == "triton" and not _has_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
-        _fail("kernels.backend", "triton", "needs a GPU, or Triton's CPU interpreter (slow; for tests)",
-              "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting")
-
-
-def _validate_context_parallel(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
-    _choice("parallel.cp_mode", p.cp_mode, ("ring", "ulysses"))
-    if p.cp == 1:
-        return
-    # The load-balanced causal split cuts the sequence into 2*cp equal chunks; SP then splits a rank's share over tp.
-    chunks = 2 * p.cp * (p.tp if p.sp else 1)
-    if m.seq_len % chunks:
-        what = f"2*cp*tp={chunks} (with parallel.sp)" if p.sp and p.tp > 1 else f"2*cp={chunks}"
-        fit = [c for c in range(1, m.seq_len + 1) if m.seq_len % (2 * c * (p.tp if p.sp else 1)) == 0]
-        _fail("parallel.cp", p.cp, f"needs {what} to divide model.seq_len={m.seq_len} (each rank holds two of "
-              "2*cp equal chunks)", f"use parallel.cp in {fit or [1]} or change model.seq_len")
-    if p.cp_mode == "ulysses":
-        for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads)):
-            local = heads // p.tp
-            if local % p.cp:
-                fit = [c for c in range(1, local + 1) if (m.n_heads // p.tp) % c == 0 and (m.kv_heads // p.tp) % c == 0]
-                _fail("parallel.cp", p.cp, f"with parallel.cp_mode=ulysses must divide the {key.split('.')[1]} per "
-                      f"TP rank ({key}={heads} / parallel.tp={p.tp} = {local})",
-                      f"use parallel.cp in {fit}, or parallel.cp_mode=ring (any head count)")
-    if cfg.train.compile:
-        _fail("train.compile", True, f"does not work with parallel.cp={p.cp} (the attention's ring or all-to-all "
-              "would break every compiled block's graph)", "use train.compile=false or parallel.cp=1")
-
-
-GPU_CHOICES = ("auto", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200")  # plan/hardware.py's table
-
-
-def _validate_cluster(c: ClusterConfig) -> None:
-    _choice("cluster.gpu", c.gpu, GPU_CHOICES)
-    for key in ("gpus_per_node", "nodes"):
-        value = getattr(c, key)
-        if value is not None and value < 1:
-            _fail(f"cluster.{key}", value, "must be >= 1", "e.g. cluster.gpus_per_node=8 cluster.nodes=4")
-    for key in ("intra_node_GBps", "inter_node_GBps"):
-        value = getattr(c, key)
-        if value is not None and not value > 0:
-            _fail(f"cluster.{key}", value, "must be a positive bandwidth in GB/s", "e.g. 450, or null for the GPU's default")
-    if not 0 < c.achievable <= 1:
-        _fail("cluster.achievable", c.achievable, "must be a fraction in (0, 1]", "e.g. 0.65")
-    if c.reserve_gib < 0:
-        _fail("cluster.reserve_gib", c.reserve_gib, "must be >= 0", "e.g. 2")
-
-
-def _validate_pipeline(cfg: Config, dp: int) -> None:
-    m, p, z, t = cfg.model, cfg.parallel, cfg.zero, cfg.train
-    _choice("parallel.schedule", p.schedule, SCHEDULE_CHOICES)
-    if p.schedule in SPLIT_BACKWARD:
-        resolve_schedule(p.schedule, p.vpp)  # its own chunk count
-        if p.pp == 1:
-            _fail("parallel.schedule", p.schedule, "fills a pipeline's idle slots, and parallel.pp=1 has none",
-                  "use parallel.schedule=auto, or parallel.pp=2 or more")
-    if p.vpp > 1 and p.pp == 1:
-        _fail("parallel.vpp", p.vpp, "needs parallel.pp > 1 (virtual stages interleave across pipeline ranks)",
-              "set parallel.pp=2 or more, or parallel.vpp=1")
-    layers_per_stage(m.n_layers, p.pp, p.vpp, p.pp_layers)
-    if p.pp == 1:
-        return
-    if z.stage == 3:
-        _fail("zero.stage", 3, f"does not compose with parallel.pp={p.pp} (ZeRO-3 would re-gather every chunk's "
-              "parameters for every micro-batch)", "use zero.stage=1 or 2 with a pipeline, or parallel.pp=1")
-    micro = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size * dp else 0
-    if p.schedule != "gpipe" and 0 < micro < p.pp:
-        _fail("train.global_batch_size", t.global_batch_size, f"gives {micro} micro-batches per pipeline "
-              f"(micro_batch_size={t.micro_batch_size} x dp={dp}), fewer than parallel.pp={p.pp}, which 1F1B needs",
-              f"use train.global_batch_size>={p.pp * t.micro_batch_size * dp} or parallel.schedule=gpipe")
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

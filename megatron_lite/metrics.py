@@ -320,8 +320,9 @@ class MetricsLogger:
         else:
             print(message, flush=True)
 
-    def close(self) -> None:
-        """Stop the progress bar, close metrics.jsonl and finish the wandb run; safe to call twice."""
+    def close(self, failed: bool = False) -> None:
+        """Stop the progress bar, close metrics.jsonl and finish the wandb run (marked failed, exit code 1, when
+        the run ended by an error); safe to call twice."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
@@ -329,5 +330,5 @@ class MetricsLogger:
             self._jsonl.close()
             self._jsonl = None
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb.finish(exit_code=1 if failed else 0)
             self._wandb = None

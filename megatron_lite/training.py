@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from dataclasses import asdict
 
@@ -30,9 +31,9 @@ from megatron_lite.errors import RunError
 from megatron_lite.layout import Layout
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
-from megatron_lite.deepspeed_config import deepspeed_config, resolve_precision
-from megatron_lite.deepspeed_repairs import honour_explicit_zero3_dtype
-from megatron_lite.engine import Engine
+from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
+from megatron_lite.engine.repairs import honour_explicit_zero3_dtype
+from megatron_lite.engine import Engine, StepOutcome
 from megatron_lite.lr_schedule import lr_at
 from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
@@ -77,17 +78,18 @@ def _max_over_ranks(value: int, ctx: ParallelContext) -> int:
 
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
-    progress = {"stepped": False}
+    trainer = None
     try:
         init_distributed(cfg.dist.timeout_s)
         ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
         try:
-            return _train(cfg, ctx, memory, progress)
+            trainer = Trainer(cfg, ctx, memory)
+            return trainer.fit()
         finally:
             memory.close()
     except Exception as err:
-        if progress["stepped"] or not stop.requested():
+        if (trainer is not None and trainer.stepped) or not stop.requested():
             raise
         return _interrupted_start_up(err)
 
@@ -107,168 +109,244 @@ def _interrupted_start_up(err: Exception) -> dict:
     return {"losses": [], "grad_norms": [], "last_step": None, "stopped": True}
 
 
-def _train(cfg: Config, ctx: ParallelContext, memory: PeakMemory, progress: dict) -> dict:
-    stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
-    seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
+class Trainer:
+    """One rank's run: setup (model, engine, resume, data, logger), then steps with metrics, eval and
+    checkpoints, then close. `fit` holds the one try/finally: whatever setup reached is closed however the run
+    ends, and a run that ends by an error is marked failed in wandb."""
 
-    resume_path = checkpoint_resume.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
-    meta = checkpoint_store.read_meta(resume_path) if resume_path else None
+    def __init__(self, cfg: Config, ctx: ParallelContext, memory: PeakMemory):
+        self.cfg, self.ctx, self.memory = cfg, ctx, memory
+        self.engine: Engine | None = None
+        self.logger: MetricsLogger | None = None
+        self.writer: AsyncWriter | None = None  # checkpoint.async_save's background writer
+        self.stepped = False  # a training step has started: from here an error is a crash, whatever signal came
 
-    weights = checkpoint_weights.load_model_state(resume_path)[1] if meta is not None and meta["kind"] == "weights" else None
-    p = cfg.parallel
-    layout = Layout.of_run(cfg, ctx.world_size, resolve_precision(cfg))
-    layers = list(layout.layers_per_stage)
-    universal = meta is not None and meta["kind"] == "deepspeed" and layout.needs_conversion(Layout.of_checkpoint(meta))
-    partition, build_dtype = None, torch.float32
-    if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
-        if cfg.zero.offload_param == "nvme":
-            honour_explicit_zero3_dtype()
-        partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, universal), ctx)
-    # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
-    model = build_model(cfg, ctx, weights=weights, dtype=build_dtype, partition=partition)
-    del weights
-    model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
-    model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
-    if cfg.train.compile:
-        model.compile_blocks()
-    engine = Engine(cfg, model, ctx, load_universal=universal, layout=layout)
+    def fit(self) -> dict:
+        """Set up, train to cfg.train.steps or a stop signal, close. Returns a summary (rank 0's view)."""
+        failed = True
+        try:
+            self.setup()
+            summary = self.train()
+            failed = False
+            return summary
+        finally:
+            self.close(failed)
 
-    start_step, consumed, wandb_id = 0, 0, None
-    if meta is not None:
-        if meta["kind"] == "deepspeed":
-            meta = checkpoint.load(engine, ctx, resume_path, layout)
-        start_step, consumed, wandb_id = meta["step"], meta["consumed_samples"], meta.get("wandb_id")
+    # --- setup ---
 
-    data = TokenData(repo_path(cfg.data.path))
-    train_set = WindowDataset(data.train, cfg.model.seq_len)
-    val_set = WindowDataset(data.val, cfg.model.seq_len) if cfg.train.eval_interval else None
-    batches = MicroBatches(train_set, cfg.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                           ctx.dp_rank, ctx.dp_size, consumed)
+    def setup(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
+        seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
+        self.precision = resolve_precision(cfg)
+        self.layout = Layout.of_run(cfg, ctx.world_size, self.precision)
+        resume_path = checkpoint_resume.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
+        meta = checkpoint_store.read_meta(resume_path) if resume_path else None
+        self.engine = self._build_engine(resume_path, meta)
+        meta = self._resume(resume_path, meta)
+        self.start_step, consumed, wandb_id = (meta["step"], meta["consumed_samples"], meta.get("wandb_id")) if meta \
+            else (0, 0, None)
+        self._data(consumed)
+        self.logger = MetricsLogger(
+            cfg.run.dir, config_dict=asdict(cfg), enabled=ctx.is_rank0, wandb_mode=cfg.logging.wandb.mode,
+            wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
+            run_name=cfg.run.name or os.path.basename(os.path.normpath(cfg.run.dir)), wandb_id=wandb_id,
+            total_steps=cfg.train.steps, log_interval=cfg.train.log_interval, start_step=self.start_step,
+        )
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.peak, peak_source = peak_flops(ctx.device, dtype)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.model_flops, self.hw_flops = step_flops(
+            cfg.model, self.tokens_per_step, cfg.train.recompute, cfg.train.recompute_every,
+            fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
+        self.restarts = restart_count()
+        self._announce(resume_path, meta, dtype, peak_source)
+        if cfg.checkpoint.async_save:
+            self.writer = AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print)
 
-    logger = MetricsLogger(
-        cfg.run.dir, config_dict=asdict(cfg), enabled=ctx.is_first, wandb_mode=cfg.logging.wandb.mode,
-        wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
-        run_name=cfg.run.name or os.path.basename(os.path.normpath(cfg.run.dir)), wandb_id=wandb_id,
-        total_steps=cfg.train.steps, log_interval=cfg.train.log_interval, start_step=start_step,
-    )
-    dtype = torch.bfloat16 if resolve_precision(cfg) == "bf16" else torch.float32
-    peak, peak_source = peak_flops(ctx.device, dtype)
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-    model_flops, hw_flops = step_flops(cfg.model, tokens_per_step, cfg.train.recompute, cfg.train.recompute_every,
-                                       fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
-    if start_step:
-        logger.print(f"resumed from {resume_path} at step {start_step} ({consumed} samples consumed)")
-        changes = checkpoint_resume.data_stream_changes(meta.get("config", {}), cfg) if meta["kind"] == "deepspeed" else []
-        if changes:
-            logger.print("warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
-                         f"{start_step + 1} see other samples than the run that wrote the checkpoint would have")
-    if start_step >= cfg.train.steps:
-        logger.print(f"nothing to do: {cfg.checkpoint.dir} already holds step {start_step} of train.steps="
-                     f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
-    pipeline = (f", vpp {p.vpp}, {engine.executor.schedule_name} schedule, layers per virtual stage "
-                f"{layers}" if ctx.pp_size > 1 else "")
-    context = f", cp {ctx.cp_size} ({p.cp_mode})" if ctx.cp_size > 1 else ""
-    restarts = restart_count()
-    if restarts:
-        logger.print(f"restart {restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
-                     f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})")
-    logger.print(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
-                 f"{ctx.pp_size}{pipeline}), "
-                 f"zero {cfg.zero.stage}, {dtype}, accumulation {engine.accum}, kernels "
-                 f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {peak / 1e12:.2f} TFLOP/s per device "
-                 f"({peak_source})")
+    def _build_engine(self, resume_path: str | None, meta: dict | None) -> Engine:
+        """This rank's share of the model (from a weights-only checkpoint when resuming one), in its engine."""
+        cfg, ctx = self.cfg, self.ctx
+        weights = None
+        if meta is not None and meta["kind"] == "weights":
+            weights = checkpoint_weights.load_model_state(resume_path)[1]
+        self.universal = (meta is not None and meta["kind"] == "deepspeed"
+                          and self.layout.needs_conversion(Layout.of_checkpoint(meta)))
+        partition, build_dtype = None, torch.float32
+        if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
+            if cfg.zero.offload_param == "nvme":
+                honour_explicit_zero3_dtype()
+            partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, self.universal), ctx)
+        # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
+        model = build_model(cfg, ctx, weights=weights, dtype=build_dtype, partition=partition)
+        del weights
+        model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
+        model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
+        if cfg.train.compile:
+            model.compile_blocks()
+        return Engine(cfg, model, ctx, load_universal=self.universal, layout=self.layout)
 
-    writer = (AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, logger.print)
-              if cfg.checkpoint.async_save else None)
+    def _resume(self, resume_path: str | None, meta: dict | None) -> dict | None:
+        """Load a DeepSpeed checkpoint into the engine and return the meta of what was loaded (a weights-only
+        checkpoint was read into the model by the build); None for a fresh run."""
+        if meta is not None and meta["kind"] == "deepspeed":
+            return checkpoint.load(self.engine, self.ctx, resume_path, self.layout)
+        return meta
 
-    def save(step: int) -> dict:
+    def _data(self, consumed: int) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        data = TokenData(repo_path(cfg.data.path))
+        self.val_set = WindowDataset(data.val, cfg.model.seq_len) if cfg.train.eval_interval else None
+        self.batches = MicroBatches(WindowDataset(data.train, cfg.model.seq_len), cfg.seed,
+                                    cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank,
+                                    ctx.dp_size, consumed)
+
+    def _announce(self, resume_path: str | None, meta: dict | None, dtype: torch.dtype, peak_source: str) -> None:
+        """What this run is: the resume (and any change to the data stream), the restart, the layout."""
+        cfg, ctx, say, p = self.cfg, self.ctx, self.logger.print, self.cfg.parallel
+        if self.start_step:
+            say(f"resumed from {resume_path} at step {self.start_step} ({self.batches.consumed_samples} samples "
+                "consumed)")
+            changes = (checkpoint_resume.data_stream_changes(meta.get("config", {}), cfg)
+                       if meta["kind"] == "deepspeed" else [])
+            if changes:
+                say("warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
+                    f"{self.start_step + 1} see other samples than the run that wrote the checkpoint would have")
+        if self.start_step >= cfg.train.steps:
+            say(f"nothing to do: {cfg.checkpoint.dir} already holds step {self.start_step} of train.steps="
+                f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
+        pipeline = (f", vpp {p.vpp}, {self.engine.executor.schedule_name} schedule, layers per virtual stage "
+                    f"{list(self.layout.layers_per_stage)}" if ctx.pp_size > 1 else "")
+        context = f", cp {ctx.cp_size} ({p.cp_mode})" if ctx.cp_size > 1 else ""
+        if self.restarts:
+            say(f"restart {self.restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
+                f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})")
+        say(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
+            f"{ctx.pp_size}{pipeline}), zero {cfg.zero.stage}, {dtype}, accumulation {self.engine.accum}, kernels "
+            f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {self.peak / 1e12:.2f} TFLOP/s per "
+            f"device ({peak_source})")
+
+    # --- the loop ---
+
+    def train(self) -> dict:
+        """Steps from the one after the resumed one to cfg.train.steps; a stop signal saves and ends the loop."""
+        cfg, ctx = self.cfg, self.ctx
+        if stop.agreed(ctx.device):  # a signal during start-up: nothing has trained, so nothing to save
+            self.logger.print(f"stop signal during start-up: exiting before step {self.start_step + 1}, nothing saved")
+            return {"losses": [], "grad_norms": [], "last_step": self.start_step, "stopped": True}
+        losses, grad_norms, step, stopped = [], [], self.start_step, False
+        skipped_total, in_row = 0, 0  # updates skipped for a non-finite loss or gradient norm (this process's run)
+        for step in range(self.start_step + 1, cfg.train.steps + 1):
+            self.stepped = True
+            record, outcome = self.step(step)
+            skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
+            record["skipped_steps"] = skipped_total
+            if self.val_set is not None and step % cfg.train.eval_interval == 0:
+                record.update(self.evaluate())
+            fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
+            stopped = not fatal and stop.agreed(ctx.device)
+            interval = cfg.checkpoint.interval
+            if not fatal and (stopped or step == cfg.train.steps or (interval and step % interval == 0)):
+                record.update(self.save(step))
+            if self.writer is not None:  # an asynchronous save's write time, on the step it is known
+                last = stopped or fatal or step == cfg.train.steps
+                record.update(self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
+                                            if last else self.writer.finished()))
+            self.logger.log(step, record)
+            stalls.note_step(step)
+            losses.append(outcome.loss)
+            grad_norms.append(outcome.grad_norm)
+            if outcome.skipped:
+                self.logger.print(f"step {step}: loss {outcome.loss}, grad norm {outcome.grad_norm}: not finite, update "
+                                  f"skipped on every rank ({in_row} in a row, {skipped_total} in all)")
+                if fatal:
+                    raise NonFiniteError(
+                        f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: steps {step - in_row + 1}-{step} "
+                        f"all had a non-finite loss or gradient norm; stopped without saving (the weights are those "
+                        f"before step {step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or "
+                        "other data")
+            if stopped:
+                self.logger.print(f"stop signal: saved at step {step}; resume with checkpoint.resume=auto")
+                break
+        return {"losses": losses, "grad_norms": grad_norms, "last_step": step, "stopped": stopped}
+
+    def step(self, step: int) -> tuple[dict, StepOutcome]:
+        """One optimizer step over the global batch, and its metrics record."""
+        cfg, ctx = self.cfg, self.ctx
+        t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
+        outcome = self.engine.train_step(self.batches.next_step(), lr, step)
+        if step == self.start_step + 1:  # start-up and the first step's warm-up are done: a hang now ends the job soon
+            set_collective_timeout(cfg.dist.step_timeout_s)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        bubble = _pipeline_bubble(self.engine.last_stats, ctx)
+        record = {
+            "step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
+            "tokens": self.batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt, "mfu": self.model_flops / dt / (ctx.world_size * self.peak),
+            "hfu": self.hw_flops / dt / (ctx.world_size * self.peak),
+            "skipped_steps": None, "restarts": self.restarts,  # skipped_steps: counted by train()
+        }
+        if bubble is not None:
+            record["bubble"] = bubble
+        mem_peak = self.memory.take()
+        if mem_peak is not None:  # the fullest rank's peak of this step
+            record["mem_peak_gib"] = _max_over_ranks(mem_peak, ctx) / 2**30
+        return record, outcome
+
+    def evaluate(self) -> dict:
+        """Validation loss and perplexity over train.eval_iters global batches."""
+        t, ctx = self.cfg.train, self.ctx
+        val = val_batches(self.val_set, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
+        val_loss = self.engine.dp_mean(self.engine.eval_loss(val))
+        return {"val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0)))}
+
+    # --- checkpoints ---
+
+    def save(self, step: int) -> dict:
+        """A checkpoint of this step (rank 0 commits it); with checkpoint.async_save, staged and written in the
+        background. Returns the time the loop was blocked (and, when known, the write time)."""
+        cfg, ctx = self.cfg, self.ctx
         meta_out = {
-            "config": asdict(cfg), "consumed_samples": batches.consumed_samples, "wandb_id": logger.wandb_id,
-            "layout": layout.to_meta(),
+            "config": asdict(cfg), "consumed_samples": self.batches.consumed_samples,
+            "wandb_id": self.logger.wandb_id, "layout": self.layout.to_meta(),
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}
-        if writer is None:
-            path = checkpoint.save(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
+        if self.writer is None:
+            path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
         else:  # the previous save is still being written: wait for it (the wait counts as blocked), report it
-            out = written_out(writer.wait(reason=f"checkpoint of step {step}"))
-            path = checkpoint.save_async(engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, writer)
+            out = self._written(self.writer.wait(reason=f"checkpoint of step {step}"))
+            path = checkpoint.save_async(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep,
+                                         self.writer)
         blocked = time.perf_counter() - t0
         set_collective_timeout(cfg.dist.step_timeout_s)
-        logger.print(f"saved {path} (the loop waited {blocked:.2f} s)" if writer is None else
-                     f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)")
-        return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if writer is None else out)}
+        self.logger.print(f"saved {path} (the loop waited {blocked:.2f} s)" if self.writer is None else
+                          f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)")
+        return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if self.writer is None else out)}
 
-    def written_out(written: float | None) -> dict:
+    def _written(self, written: float | None) -> dict:
         """An asynchronous save's write time, said and logged on the step it is known (a later save's, when
         that one had to wait for it; on the last step, the last save's)."""
         if written is None:
             return {}
-        logger.print(f"checkpoint of step {writer.step} written" + (" and committed" if ctx.is_first else "")
-                     + f" in {written:.2f} s in the background")
+        self.logger.print(f"checkpoint of step {self.writer.step} written" + (" and committed" if self.ctx.is_rank0
+                                                                              else "")
+                          + f" in {written:.2f} s in the background")
         return {"ckpt_write_s": written}
 
-    losses, grad_norms, step, stopped = [], [], start_step, False
-    if stop.agreed(ctx.device):  # a signal during start-up: nothing has trained, so nothing to save
-        logger.print(f"stop signal during start-up: exiting before step {start_step + 1}, nothing saved")
-        logger.close()
-        engine.close()
-        return {"losses": [], "grad_norms": [], "last_step": start_step, "stopped": True}
-    skipped_total, in_row = 0, 0  # updates skipped for a non-finite loss or gradient norm (this process's run)
-    for step in range(start_step + 1, cfg.train.steps + 1):
-        progress["stepped"] = True
-        t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
-        outcome = engine.train_step(batches.next_step(), lr, step)
-        if step == start_step + 1:  # start-up and the first step's warm-up are done: a hang now ends the job soon
-            set_collective_timeout(cfg.dist.step_timeout_s)
-        loss, grad_norm = outcome.loss, outcome.grad_norm
-        skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        bubble = _pipeline_bubble(engine.last_stats, ctx)
-        record = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens": batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": tokens_per_step / dt,
-            "step_time_s": dt, "mfu": model_flops / dt / (ctx.world_size * peak),
-            "hfu": hw_flops / dt / (ctx.world_size * peak), "skipped_steps": skipped_total, "restarts": restarts,
-        }
-        if bubble is not None:
-            record["bubble"] = bubble
-        mem_peak = memory.take()
-        if mem_peak is not None:  # the fullest rank's peak of this step
-            record["mem_peak_gib"] = _max_over_ranks(mem_peak, ctx) / 2**30
-        if val_set is not None and step % cfg.train.eval_interval == 0:
-            t = cfg.train
-            val = val_batches(val_set, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
-            record["val_loss"] = engine.dp_mean(engine.eval_loss(val))
-            record["val_ppl"] = float(np.exp(min(record["val_loss"], 50.0)))
-        fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
-        stopped = not fatal and stop.agreed(ctx.device)
-        interval = cfg.checkpoint.interval
-        if not fatal and (stopped or step == cfg.train.steps or (interval and step % interval == 0)):
-            record.update(save(step))
-        if writer is not None:  # an asynchronous save's write time, on the step it is known
-            last = stopped or fatal or step == cfg.train.steps
-            record.update(written_out(writer.wait(reason="stop signal" if stopped else "end of the run") if last
-                                      else writer.finished()))
-        logger.log(step, record)
-        stalls.note_step(step)
-        losses.append(loss)
-        grad_norms.append(grad_norm)
-        if outcome.skipped:
-            logger.print(f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, update skipped on every rank "
-                         f"({in_row} in a row, {skipped_total} in all)")
-            if fatal:
-                logger.close()
-                engine.close()
-                raise NonFiniteError(
-                    f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: steps {step - in_row + 1}-{step} all had "
-                    f"a non-finite loss or gradient norm; stopped without saving (the weights are those before step "
-                    f"{step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or other data")
-        if stopped:
-            logger.print(f"stop signal: saved at step {step}; resume with checkpoint.resume=auto")
-            break
-    logger.close()
-    engine.close()
-    return {"losses": losses, "grad_norms": grad_norms, "last_step": step, "stopped": stopped}
+    # --- close ---
+
+    def close(self, failed: bool = False) -> None:
+        """Close the logger (wandb marks a failed run so) and the engine, whatever setup reached. After a failure
+        an error while closing is only reported: it must not hide the error that ended the run."""
+        for part, close in ((self.logger, lambda: self.logger.close(failed)), (self.engine, lambda: self.engine.close())):
+            if part is None:
+                continue
+            try:
+                close()
+            except Exception as err:
+                if not failed:
+                    raise
+                print(f"while closing after an error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)

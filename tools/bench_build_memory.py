@@ -85,7 +85,7 @@ def old_route(cfg, ctx):
 
 
 def build(route: str, cfg, ctx):
-    from megatron_lite.deepspeed_config import deepspeed_config
+    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.model.build import build_model, zero3_partitioner
 
     if route == "old":

@@ -287,6 +287,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     from megatron_lite.model.gpt import GPT
     from megatron_lite.parallel.context import ParallelContext
     from megatron_lite.model.parallelize import parallelize
+    from megatron_lite.model.tied import tie_across_stages
     from megatron_lite.pipeline.partition import rank_chunks
 
     micro = 2
@@ -296,17 +297,18 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     counter.groups = {name: dist.get_process_group_ranks(g) for name, g in (("dp", ctx.dp_group), ("pp", ctx.pp_group))}
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model, tp=1).keep_chunks(rank_chunks(ctx.pp_rank, 2, 1, cfg.model.n_layers))
-    model = parallelize(model, ctx.tp_group, False)  # as training.run does; a no-op at tp=1
+    model = parallelize(model, ctx.tp_group, False)  # as build_model does; a no-op at tp=1
+    tie_across_stages(model, ctx.embed_group, ctx.pp_rank, ctx.pp_size)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     n_params = sum(p.numel() for p in model.parameters())
     engine = Engine(cfg, model, ctx)
-    plain_step = engine.module.step
+    plain_step = engine.ds_engine.step
 
     def step(*args, **kwargs):  # everything the optimizer step sends is filed under "step"
         counter.phase = "step"
         return plain_step(*args, **kwargs)
 
-    engine.module.step = step
+    engine.ds_engine.step = step
     data = WindowDataset(TokenData(repo_path(cfg.data.path)).train, cfg.model.seq_len)
     batches = MicroBatches(data, cfg.seed, cfg.train.global_batch_size, micro, ctx.dp_rank, ctx.dp_size)
     engine.train_step(batches.next_step(), 1e-3, 1)  # warm-up

@@ -117,7 +117,7 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
     from megatron_lite.config import repo_path
     from megatron_lite.data.dataset import TokenData, WindowDataset
     from megatron_lite.data.sampler import MicroBatches
-    from megatron_lite.deepspeed_config import deepspeed_config
+    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.engine import Engine
     from megatron_lite.memory import LiveTensorBytes
     from megatron_lite.model.build import build_model, zero3_partitioner
@@ -206,7 +206,7 @@ def compare(result: dict, nproc: int) -> list[dict]:
     """Predicted vs measured per pipeline stage (the worst measured rank of each stage; the planner prices the
     worst too: DeepSpeed's padding and ZeRO-2's overlapping parameters make dp ranks differ slightly)."""
     from megatron_lite.cli import load
-    from megatron_lite.deepspeed_config import resolve_precision
+    from megatron_lite.engine.ds_config import resolve_precision
     from megatron_lite.plan.layout import Layout
     from megatron_lite.plan.memory import rank_memory
 

@@ -68,7 +68,7 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
         return resume
     path, notes = _pick_auto(root, lambda p: _agreed_problem(p, ctx))
     if path is not None:
-        if notes and ctx.is_first:
+        if notes and ctx.is_rank0:
             warn(f"resuming from {path}, an older checkpoint: " + "; ".join(notes))
         return path
     message = _none_sound(root, notes)
@@ -108,7 +108,7 @@ def check_resume(cfg, world_size: int) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError)."""
     from dataclasses import asdict
 
-    from megatron_lite.deepspeed_config import holds_bf16, resolve_precision
+    from megatron_lite.engine.ds_config import holds_bf16, resolve_precision
 
     resume, root = cfg.checkpoint.resume, cfg.checkpoint.dir
     if resume == "never":

@@ -100,7 +100,7 @@ def load_rng(path: str, meta: dict, own_streams: bool) -> None:
 def _prepare(ctx, root: str, step: int) -> tuple[str, str]:
     tag = step_name(step)
     path = os.path.join(root, tag)
-    if ctx.is_first:
+    if ctx.is_rank0:
         os.makedirs(root, exist_ok=True)
         aside = store.clear_for_write(path)
         if aside is not None:
@@ -125,12 +125,12 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
 
     writer.wait(reason=f"checkpoint of step {step}")
     tag, path = _prepare(ctx, root, step)
-    staging, kept = StagingEngine(writer.pool), engine.module.checkpoint_engine
-    engine.module.checkpoint_engine = staging
+    staging, kept = StagingEngine(writer.pool), engine.ds_engine.checkpoint_engine
+    engine.ds_engine.checkpoint_engine = staging
     try:
         engine.save(root, tag)
     finally:
-        engine.module.checkpoint_engine = kept
+        engine.ds_engine.checkpoint_engine = kept
     rng = rng_state()
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned copies have landed before the writer reads them
@@ -139,7 +139,7 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
     def commit(manifest: dict) -> None:
         _commit(root, path, step, meta, manifest, rng, keep)
         remove_shares(path)
-    writer.submit(path, step, files, commit if ctx.is_first else None)
+    writer.submit(path, step, files, commit if ctx.is_rank0 else None)
     return path
 
 
@@ -153,7 +153,7 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     store.fsync_tree(path)  # this rank's writes (and everyone's, harmlessly) reach the disk
     shares = [None] * ctx.world_size
     dist.all_gather_object(shares, store.manifest_share(path, ctx.rank, ctx.world_size))
-    if ctx.is_first:
+    if ctx.is_rank0:
         _commit(root, path, step, meta, {rel: entry for share in shares for rel, entry in share.items()},
                 rng_state(), keep)
     dist.barrier()
@@ -182,7 +182,7 @@ def prepare_universal(path: str, ctx) -> None:
     """Rank 0 converts `path` to the universal format; the others wait for its `done` file on disk, not in a
     collective: converting a large checkpoint can outlast any collective timeout (dist.timeout_s). Should
     rank 0 die meanwhile, torchrun (or srun) ends the others."""
-    if ctx.is_first:
+    if ctx.is_rank0:
         convert_to_universal(path)
     else:
         while not os.path.isfile(os.path.join(path, UNIVERSAL, "done")):

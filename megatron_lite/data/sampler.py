@@ -36,7 +36,7 @@ class MicroBatches:
 
     def __init__(self, dataset, seed: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, consumed_samples: int = 0):
-        # config.validate() explains a bad batch layout to the user; here it is an invariant.
+        # validation.validate() explains a bad batch layout to the user; here it is an invariant.
         assert global_batch_size % (micro_batch_size * dp_size) == 0, (global_batch_size, micro_batch_size, dp_size)
         assert 0 <= dp_rank < dp_size and consumed_samples >= 0, (dp_rank, dp_size, consumed_samples)
         self.dataset, self.seed = dataset, seed

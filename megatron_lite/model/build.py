@@ -5,6 +5,7 @@
   3. parallelize(...), cp_parallelize(...)    swap in TP layers, split sequences over cp, still on meta
   4. materialize(...)                         per parameter: the full tensor (keyed init, or a full state dict),
                                               this rank's slice of it, cast, placed; ZeRO-3 partitions it at once
+  5. tie_across_stages(...)                   a pipeline's two copies of a tied embedding (model/tied.py)
 
 The result is bitwise the model that the old route made (build everything, keep_chunks, parallelize) with the
 same keyed init, at a peak of this rank's share plus one full tensor (tests/unit/test_model_build.py,
@@ -26,6 +27,7 @@ from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.model.parallelize_cp import cp_parallelize
 from megatron_lite.model.parallelize import parallelize
+from megatron_lite.model.tied import tie_across_stages
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule
 
@@ -42,15 +44,16 @@ def build_model(cfg: Config, ctx: ParallelContext, *,
     model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, p.vpp, cfg.model.n_layers, p.pp_layers, v_shape))
     model = parallelize(model, ctx.tp_group, p.sp)
     model = cp_parallelize(model, ctx.cp_group, p.cp_mode)
-    return model.materialize(ctx.device, dtype=dtype, weights=weights, partition=partition)
+    model.materialize(ctx.device, dtype=dtype, weights=weights, partition=partition)
+    return tie_across_stages(model, ctx.embed_group, ctx.pp_rank, ctx.pp_size)
 
 
 def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[nn.Parameter], None], torch.dtype]:
     """(partition, dtype) for build_model under ZeRO-3: each parameter is split over dp x cp as soon as it
     exists, exactly as DeepSpeed would split the built model in deepspeed.initialize (same deepspeed.zero.Init
     arguments, same per-parameter call), and in the dtype the engine trains in (bf16 params are rounded from
-    the fp32 init, as the engine's cast does). With NVMe parameter offload, deepspeed_repairs.honour_explicit_zero3_dtype()
-    must run first (training.run does); Engine's param_groups reads a partitioned parameter's `ds_shape`."""
+    the fp32 init, as the engine's cast does). With NVMe parameter offload, repairs.honour_explicit_zero3_dtype()
+    must run first (the Trainer does); Engine's param_groups reads a partitioned parameter's `ds_shape`."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 

@@ -347,6 +347,12 @@ class GPT(nn.Module):
         summed over both stages before DeepSpeed sees it (model/tied.py)."""
         return self.wte.weight if self.tied is None else self.tied.stand_in()
 
+    def tied_weight_output(self) -> torch.Tensor:
+        """The tied embedding weight as a graph output, for the backward that hands it both stages' gradient
+        (model/tied.py). Reached as forward(None, chunk=TIED_WEIGHT): DeepSpeed's hooks open and close a
+        backward only around its engine's forward, which calls forward and nothing else."""
+        return self.wte.weight * 1.0
+
     def head_weight(self) -> torch.Tensor:
         """The output projection: the (tied) embedding or lm_head weight, padded rows included."""
         return self.embedding_weight() if self.lm_head is None else self.lm_head.weight
@@ -421,7 +427,7 @@ class GPT(nn.Module):
         weight_grad.WEIGHT_GRADS the weight-gradient work a zero-bubble schedule's W releases, each as a graph
         output for the caller's backward (parallel/weight_grad.py)."""
         if chunk == self.TIED_WEIGHT:
-            return self.wte.weight * 1.0  # a graph output, so DeepSpeed's backward hooks see the injected gradient
+            return self.tied_weight_output()
         if chunk == weight_grad.WEIGHT_GRADS:  # a zero-bubble schedule's W step (parallel/weight_grad.py)
             return weight_grad.released_output()
         spec = self.chunks[chunk]

@@ -11,6 +11,8 @@ through one extra backward of the weight itself, `GPT.forward(None, chunk=GPT.TI
 stage reduces, partitions and clips it as it does any gradient.
 
 The last stage's copy is marked `ds_pipe_replicated` so that gradient norms count the weight once.
+`tie_across_stages` decides whether a rank's model needs this and installs it (build_model calls it); in a V
+(zbv) both ends sit on rank 0 and share one weight, so nothing is needed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.model.gpt import GPT
+
+
+def tie_across_stages(model: GPT, embed_group, pp_rank: int, pp_size: int) -> GPT:
+    """Set model.tied when this rank holds one end of a tied embedding and another rank holds the other."""
+    if needs_tie(model):
+        model.tied = TiedEmbedding(model.wte.weight, embed_group, is_head_copy=pp_rank == pp_size - 1)
+    return model
+
+
+def needs_tie(model: GPT) -> bool:
+    """Whether model holds one end of a tied embedding only (so it cannot train without model.tied)."""
+    first, last = any(c.has_embedding for c in model.chunks), any(c.has_head for c in model.chunks)
+    return model.cfg.tie_embeddings and first != last
 
 
 class TiedEmbedding:

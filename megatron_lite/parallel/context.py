@@ -141,8 +141,8 @@ class ParallelContext:
         return ((pp_rank * self.dp_size + self.dp_rank) * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
 
     @property
-    def is_first(self) -> bool:
-        """Global rank 0: the rank that logs and commits checkpoints."""
+    def is_rank0(self) -> bool:
+        """Global rank 0: the rank that logs and commits checkpoints (the first rank of no group in particular)."""
         return self.rank == 0
 
     def mpu(self) -> "DeepSpeedMPU":

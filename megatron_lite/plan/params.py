@@ -6,7 +6,7 @@ Tensor parallelism splits qkv and fc_in by output rows, proj and fc_out by input
 untied head by (padded) vocabulary rows; norms, the position embedding and row-parallel biases are whole on
 every TP rank. A pipeline rank holds its chunks' blocks, the embedding on virtual stage 0, the final norm and
 the head on the last one; a tied head on its own stage keeps a copy of the embedding (model/tied.py).
-Context parallelism replicates every parameter. AdamW's two groups follow deepspeed_config.param_groups:
+Context parallelism replicates every parameter. AdamW's two groups follow engine/ds_config.param_groups:
 matrices decay, vectors do not.
 """
 

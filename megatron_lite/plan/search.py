@@ -7,7 +7,7 @@ pp and vpp (an even split of the layers), dp = world / (tp·cp·pp), the micro-b
 per replica, at least pp micro-batches under 1F1B), ZeRO 0-3 (3 without a pipeline), recompute none /
 selective / full. CPU offload is tried only for layouts that fit no other way. GPipe is left out (the same
 bubble as 1F1B with every micro-batch in flight), as are uneven layer splits and recompute_every > 1 (the
-user can still --check them). Every layout this yields passes config.validate (tests/unit/test_plan.py).
+user can still --check them). Every layout this yields passes validation.validate (tests/unit/test_plan.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parameter, gradient and optimizer-state bytes per rank, as DeepSpeed 0.19 lays them out under our config.
 
-deepspeed_config.py fixes the choices that decide it: AdamW (torch's, or DeepSpeed's CPU Adam when offloaded),
+engine/ds_config.py fixes the choices that decide it: AdamW (torch's, or DeepSpeed's CPU Adam when offloaded),
 reduce_bucket_size 5e7 elements, overlap_comm on CUDA for ZeRO >= 2, bf16 parameters only for ZeRO 1-3 with
 fp32 gradient accumulation and fp32 communication. With N ranks sharing the parameters (dp x cp), P parameters
 on the rank in two AdamW groups of n_g elements, b bytes per DeepSpeed parameter (2 bf16, 4 fp32):
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from megatron_lite.plan.params import Param
 
-BUCKET = 50_000_000  # reduce_bucket_size (elements), deepspeed_config.py
+BUCKET = 50_000_000  # reduce_bucket_size (elements), engine/ds_config.py
 PERSIST = 100_000    # ZeRO-3 stage3_param_persistence_threshold (elements), DeepSpeed's default
 MAX_LIVE = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters (elements), DeepSpeed's default
 FALLBACK_BUCKET = 500_000_000  # engine.allreduce_gradients' bucket (elements), ZeRO-0's flatten

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ModelConfig, ParallelConfig, ZeroConfig
-from megatron_lite.deepspeed_config import deepspeed_config
+from megatron_lite.engine.ds_config import deepspeed_config
 from megatron_lite.engine import Engine
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.model.layout import segments_of
@@ -108,7 +108,7 @@ def check_zero3_partitions() -> None:
         built = build_model(cfg, ctx, dtype=dtype, partition=partition)
         got = dict(built.named_parameters())
         engine = Engine(cfg, GPT(cfg.model, seed=cfg.seed), ctx)  # the route before: DeepSpeed splits the whole model
-        want = dict(engine.module.module.named_parameters())
+        want = dict(engine.model.named_parameters())
         if list(got) != list(want):
             fail(f"zero3 {flavour}: parameter names differ")
         for name, p in got.items():

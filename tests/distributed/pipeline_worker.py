@@ -32,7 +32,7 @@ from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule
-from megatron_lite.model.tied import TiedEmbedding
+from megatron_lite.model.tied import tie_across_stages
 
 FLAVOURS = {
     "gpt2-tied": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),
@@ -61,9 +61,7 @@ def serial_step(cfg: ModelConfig, batches: list[torch.Tensor]) -> tuple[float, d
 def pipeline_step(cfg: ModelConfig, ctx: ParallelContext, vpp: int, schedule: str, batches):
     torch.manual_seed(7)
     model = GPT(cfg).keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, vpp, cfg.n_layers, v_shape=schedule == "zbv"))
-    first, last = any(c.has_embedding for c in model.chunks), any(c.has_head for c in model.chunks)
-    if cfg.tie_embeddings and first != last:  # one end here, the other on another rank (not in a V)
-        model.tied = TiedEmbedding(model.wte.weight, ctx.embed_group, is_head_copy=ctx.pp_rank == ctx.pp_size - 1)
+    tie_across_stages(model, ctx.embed_group, ctx.pp_rank, ctx.pp_size)
     executor = PipelineExecutor(model.chunks, resolve_schedule(schedule, vpp), ctx.pp_size, ctx.pp_rank,
                                 (MICRO_BATCH, cfg.seq_len, cfg.d_model), torch.float32, ctx.device,
                                 ctx.pp_global_rank, ctx.pp_group)

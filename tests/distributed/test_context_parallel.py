@@ -66,7 +66,7 @@ def assert_follows(result: dict, reference: dict, what: str) -> None:
 
 # The quick tier keeps cp x dp with ZeRO-2 and full recompute (Ulysses) and cp=4 alone (ring), both with the
 # validation loss (the same global batches at every layout); the slow tier adds ring at cp x dp, cp x tp + SP,
-# cp inside a pipeline (1F1B, and zbv: the ring's attention holds no weights, its linears defer W), ZeRO-3 (which needs deepspeed_repairs.sum_zero3_gradients_over_cp) and cp=4 Ulysses.
+# cp inside a pipeline (1F1B, and zbv: the ring's attention holds no weights, its linears defer W), ZeRO-3 (which needs repairs.sum_zero3_gradients_over_cp) and cp=4 Ulysses.
 RUNS = {
     "cp2_dp2_zero2_ulysses_full_recompute": (["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=2",
                                               "train.recompute=full", "train.eval_interval=3"], False),

@@ -69,7 +69,7 @@ def test_pipeline_gradients_match_serial():
 
 def test_pipeline_zero_stages_match_single_process(references, tmp_path):
     """pp=2 (tied GPT-2 style) with ZeRO 0, 1, 2; pp=2 x vpp=2 with ZeRO-2 + CPU optimizer offload (chunks whose
-    first backward is not the step's first, deepspeed_repairs.zero_offload_accumulators); pp=2 x vpp=2 untied."""
+    first backward is not the step's first, repairs.zero_offload_accumulators); pp=2 x vpp=2 untied."""
     runs = [overrides(tmp_path, f"pp2_z{stage}", "parallel.pp=2", f"zero.stage={stage}", *EVAL) for stage in (0, 1, 2)]
     runs.append(overrides(tmp_path, "pp2_vpp2_z2_offload", "parallel.pp=2", "parallel.vpp=2", "zero.stage=2",
                           "zero.offload_optimizer=cpu", *EVAL))

@@ -72,7 +72,7 @@ def _async_io_available() -> bool:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_nvme_offload_matches_no_offload(stage, reference, tmp_path):
     """Optimizer states on NVMe (stage 2), and optimizer states plus parameters on NVMe (stage 3), through
-    DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (deepspeed_repairs.honour_explicit_zero3_dtype):
+    DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (repairs.honour_explicit_zero3_dtype):
     without it the swapped embedding came back rounded to bf16 and the losses drifted by 2.3e-4."""
     extra = ["zero.offload_param=nvme"] if stage == 3 else []
     (result,) = run_configs(2, [overrides(tmp_path, "nvme", f"zero.stage={stage}", "zero.offload_optimizer=nvme",

@@ -137,7 +137,7 @@ def test_nvme_offload_without_async_io_is_refused_in_one_line(data_dir, monkeypa
     """A machine without libaio (simulated: `make test` installs it, so the real op builds in CI)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from megatron_lite.deepspeed_config import check_offload_support
+    from megatron_lite.validation import check_offload_support
 
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
     cfg = load([f"data.path={data_dir}", "zero.stage=3", "zero.offload_param=nvme"], world_size=1)

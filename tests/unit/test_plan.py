@@ -3,7 +3,7 @@
 Memory measured on whole training steps (every rank, DeepSpeed included) is tests/distributed/
 test_plan_validation.py; published throughput is test_plan_published.py. Here: exact equalities with no process
 group -- the parameters a rank holds, every tensor a layer keeps for backward, the in-flight counts of every schedule
--- and that every layout the search yields passes config.validate.
+-- and that every layout the search yields passes validation.validate.
 """
 
 import dataclasses
@@ -101,7 +101,7 @@ def test_bubble_is_the_simulators_for_any_cost_ratio(name, pp, vpp, m):
 
 
 def test_every_searched_layout_passes_validation():
-    """The search space (8 ranks, llama-tiny, 16 sequences) is a subset of what config.validate accepts."""
+    """The search space (8 ranks, llama-tiny, 16 sequences) is a subset of what validation.validate accepts."""
     base = ["model=llama-tiny", "train.global_batch_size=16", "train.micro_batch_size=1"]
     cfg = load(base, world_size=8)
     found = list(layouts(cfg.model, 16, 8, 8))

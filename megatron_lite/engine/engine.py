@@ -3,9 +3,9 @@
 DeepSpeed owns the optimizer (AdamW), ZeRO partitioning (stages 0-3), CPU/NVMe offload, mixed precision,
 gradient reduction and clipping. We own the micro-batch loop, which is the pipeline executor at every pp
 (pipeline/executor.py): DeepSpeed is configured with one accumulation step and unmanaged accumulation
-(deepspeed_config.py), so each chunk's backward (`output.backward(grad)` through the engine's forward) only
+(engine/ds_config.py), so each chunk's backward (`output.backward(grad)` through the engine's forward) only
 accumulates, the loss carries the 1/m scale, and `step()` after the whole schedule is the one accumulation
-boundary. Where DeepSpeed 0.19 needs help, deepspeed_repairs.py says why.
+boundary. Where DeepSpeed 0.19 needs help, engine/repairs.py says why.
 
 Left out on purpose: fp16 with loss scaling (bf16 covers every GPU this targets), DeepSpeed's own
 PipelineEngine (our pipeline runs chunks through this engine instead).
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.deepspeed_config import deepspeed_config, param_groups, resolve_precision
-from megatron_lite.deepspeed_repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
+from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision
+from megatron_lite.engine.repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
                                              restore_group_hyperparameters, sum_zero3_gradients_over_cp,
                                              zero_offload_accumulators)
 from megatron_lite.layout import Layout
 from megatron_lite.model.layout import universal_split_patterns
-from megatron_lite.model.tied import TiedEmbedding
+from megatron_lite.model.tied import needs_tie
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import stage_owner
@@ -55,16 +55,16 @@ class Engine:
         t = cfg.train
         layout = layout if layout is not None else Layout.of_run(cfg, ctx.world_size)
         self.accum = layout.accumulation  # micro-batches per step on each pipeline
-        first, last = any(c.has_embedding for c in model.chunks), any(c.has_head for c in model.chunks)
-        if cfg.model.tie_embeddings and first != last:  # one end here, the other on another rank (not in a V)
-            model.tied = TiedEmbedding(model.wte.weight, ctx.embed_group, is_head_copy=ctx.pp_rank == ctx.pp_size - 1)
-        self.module, _, _, _ = deepspeed.initialize(
+        assert model.tied is not None or not needs_tie(model), "a pipeline's tied embedding: see tie_across_stages"
+        # The DeepSpeed engine (optimizer, ZeRO, checkpoints) and the model it wraps (this rank's GPT).
+        self.ds_engine, _, _, _ = deepspeed.initialize(
             model=model.to(ctx.device),
             model_parameters=param_groups(model, cfg.optim.weight_decay),
             config=self.ds_config,
             mpu=ctx.mpu(),
             dist_init_required=False,
         )
+        self.model = self.ds_engine.module
         if cfg.zero.stage == 3:
             sum_zero3_gradients_over_cp(self.optimizer, ctx.cp_size)
         # Activations (and pipeline messages): bf16 where DeepSpeed holds bf16 parameters; under ZeRO-0's
@@ -74,18 +74,17 @@ class Engine:
         # ZeRO optimizers take `output.backward(grad)` through the engine's forward (its hooks open and close
         # each backward). DeepSpeed's plain ZeRO-0 optimizer does not, so there the chunks run the module
         # directly, gradients accumulate in .grad, and we average, measure and clip them before the step.
-        self._zero_backward = self.module._support_torch_style_backward
+        self._zero_backward = self.ds_engine._support_torch_style_backward
         assert self._zero_backward == (cfg.zero.stage > 0), (cfg.zero.stage, type(self.optimizer))
-        forward = self.module if self._zero_backward else self.module.module
+        forward = self.ds_engine if self._zero_backward else self.model
         if not self._zero_backward:
-            self.module.enable_backward_allreduce = False
+            self.ds_engine.enable_backward_allreduce = False
         autocast = resolve_precision(cfg) == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
         self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
         # Zero-bubble schedules run forwards and B's on the module itself: a B touches no parameter
         # (parallel/weight_grad.py), and ZeRO's backward epilogue fails on a backward that reduced nothing.
         # Their W's, which accumulate the gradients, go through the engine's forward as every backward above.
-        module = self.module.module
-        self.split_forward = _bf16_autocast(module, ctx.device.type) if autocast else module
+        self.split_forward = _bf16_autocast(self.model, ctx.device.type) if autocast else self.model
         self.tied = model.tied
         s_local = cfg.model.seq_len // ctx.cp_size  # pipeline messages hold this rank's share of the sequence
         s_local = s_local // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else s_local
@@ -96,7 +95,7 @@ class Engine:
 
     @property
     def optimizer(self):
-        return self.module.optimizer
+        return self.ds_engine.optimizer
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -109,7 +108,7 @@ class Engine:
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
         dp, dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         rng_keys = [(step, j * dp + dp_rank) for j in range(len(micro_batches))]
-        self.module.train()
+        self.ds_engine.train()
         self.set_lr(lr)
         zero_offload_accumulators(self.optimizer)
         split = self.executor.schedule_name in SPLIT_BACKWARD
@@ -126,18 +125,18 @@ class Engine:
             # DeepSpeed's ZeRO and bf16 optimizers compute the norm inside step() and, when it is not finite,
             # clear the gradients and leave parameters and optimizer state untouched (their overflow check).
             # A non-finite loss always makes a non-finite gradient, so the norm decides.
-            self.module.step()
-            grad_norm = float(self.module.get_global_grad_norm())
+            self.ds_engine.step()
+            grad_norm = float(self.ds_engine.get_global_grad_norm())
             skipped = not math.isfinite(grad_norm)
         else:
-            self.module.buffered_allreduce_fallback()  # DP average of .grad, as DeepSpeed's boundary would do
+            self.ds_engine.buffered_allreduce_fallback()  # DP average of .grad, as DeepSpeed's boundary would do
             grad_norm = self._reduced_grad_norm()
             skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
             if skipped:
                 self.optimizer.zero_grad(set_to_none=True)
             else:
                 self._clip_plain(grad_norm)
-                self.module.step()
+                self.ds_engine.step()
         return StepOutcome(loss, grad_norm, skipped)
 
     def dp_mean(self, value: torch.Tensor) -> float:
@@ -166,7 +165,7 @@ class Engine:
         clip = self.cfg.train.grad_clip
         coef = clip / (grad_norm + 1e-6)
         if clip > 0 and coef < 1:
-            torch._foreach_mul_([p.grad for p in self.module.module.parameters() if p.grad is not None], coef)
+            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
 
     def _reduced_grad_norm(self) -> float:
         """DeepSpeed records the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 we compute the
@@ -177,7 +176,7 @@ class Engine:
         once and accumulates in float64 (no float64 copy of the gradient: that cost gpt-1.3b 17 ms a step)."""
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
-        grads = [p.grad.detach() for p in self.module.module.parameters()
+        grads = [p.grad.detach() for p in self.model.parameters()
                  if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
                  and (is_model_parallel_parameter(p) or self.ctx.tp_rank == 0)]
         squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
@@ -190,9 +189,9 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Mean loss over micro_batches, forward only through the pipeline."""
-        self.module.eval()
+        self.ds_engine.eval()
         loss = self._pipeline_loss(self.executor.run(self.forward, micro_batches, train=False).loss)
-        self.module.train()
+        self.ds_engine.train()
         return loss
 
     def save(self, root: str, tag: str) -> None:
@@ -203,18 +202,18 @@ class Engine:
         # The universal-format description lets a later job with another layout convert this checkpoint.
         info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
                 **universal_split_patterns(self.cfg.model, self.ctx.tp_size)}
-        self.module.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info},
+        self.ds_engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info},
                                     save_latest=False)
 
     def load(self, root: str, tag: str) -> None:
-        path, _ = self.module.load_checkpoint(root, tag=tag, load_module_strict=True,
+        path, _ = self.ds_engine.load_checkpoint(root, tag=tag, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
         restore_group_hyperparameters(self.optimizer, self._group_hparams)
 
     def close(self) -> None:
-        self.module.destroy()
+        self.ds_engine.destroy()
 
 
 def _bf16_autocast(forward, device_type: str):

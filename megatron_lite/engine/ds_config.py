@@ -1,5 +1,5 @@
-"""Our config -> DeepSpeed's: the JSON config, the optimizer's parameter groups, and what must be checked
-before any process group starts (NVMe offload needs DeepSpeed's async-io op).
+"""Our config -> DeepSpeed's: the JSON config and the optimizer's parameter groups (the checks of a config that
+DeepSpeed decides, such as NVMe offload's async-io op, are in validation.py).
 
 DeepSpeed runs with one accumulation step and unmanaged accumulation: the pipeline executor runs all m
 micro-batches (the loss carries 1/m) and calls step() once (engine.py).
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.errors import ConfigError
 
 
 def resolve_precision(cfg: Config) -> str:
@@ -100,15 +99,3 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and is_matrix(p)]
     no_decay = [p for p in model.parameters() if p.requires_grad and not is_matrix(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def check_offload_support(cfg: Config) -> None:
-    """NVMe offload needs DeepSpeed's async-io op; say so before any process group starts."""
-    z = cfg.zero
-    if "nvme" in (z.offload_optimizer, z.offload_param):
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        if not AsyncIOBuilder().is_compatible(verbose=False):
-            key = "zero.offload_optimizer" if z.offload_optimizer == "nvme" else "zero.offload_param"
-            raise ConfigError(f"{key}=nvme needs DeepSpeed's async_io op, which cannot build here (libaio missing); "
-                              "install libaio-dev (apt) or use cpu offload")
