@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from megatron_lite.pipeline.partition import layers_per_stage
-from megatron_lite.pipeline.schedules import resolve_schedule
+from megatron_lite.pipeline.schedules import resolve_schedule, v_shaped
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Layout:
         return cls(world_size=world_size, dp=world_size // (p.tp * p.cp * p.pp), tp=p.tp, cp=p.cp, cp_mode=p.cp_mode,
                    pp=p.pp, vpp=p.vpp, zero_stage=cfg.zero.stage, precision=precision,
                    layers_per_stage=tuple(layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)),
-                   v_shape=resolve_schedule(p.schedule, p.vpp) == "zbv", global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+                   v_shape=v_shaped(resolve_schedule(p.schedule, p.vpp)), global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
 
     @classmethod
     def of_checkpoint(cls, meta: dict) -> "Layout":

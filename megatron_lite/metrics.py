@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import netrc
 import os
 import secrets

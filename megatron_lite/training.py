@@ -23,17 +23,17 @@ from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store
 from megatron_lite.checkpoint import weights as checkpoint_weights
-from megatron_lite.faults import stalls
-from megatron_lite.faults import stop
 from megatron_lite.checkpoint.writer import AsyncWriter
 from megatron_lite.config import Config, repo_path
-from megatron_lite.errors import RunError
-from megatron_lite.layout import Layout
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
+from megatron_lite.engine import Engine, StepOutcome
 from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
 from megatron_lite.engine.repairs import honour_explicit_zero3_dtype
-from megatron_lite.engine import Engine, StepOutcome
+from megatron_lite.errors import RunError
+from megatron_lite.faults import stalls
+from megatron_lite.faults import stop
+from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at
 from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops

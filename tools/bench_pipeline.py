@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_lite.pipeline.simulate import expected_bubble, label, simulate  # noqa: E402
-from megatron_lite.pipeline.schedules import Comm, build_schedule  # noqa: E402
+from megatron_lite.pipeline.schedules import Comm, build_schedule, v_shaped  # noqa: E402
 from tools.bench_comm import CommCounter  # noqa: E402
 
 PP, MS = 4, (4, 8, 16)
@@ -159,7 +159,7 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
 
     f_chunk, b_chunk = f_s / vpp, 2 * f_s / vpp
     model = StandIn(vpp, ACT_SHAPE[2], f_chunk, b_chunk)
-    chunks = rank_chunks(ctx.pp_rank, PP, vpp, PP * vpp, v_shape=schedule == "zbv")
+    chunks = rank_chunks(ctx.pp_rank, PP, vpp, PP * vpp, v_shape=v_shaped(schedule))
     executor = PipelineExecutor(chunks, schedule, PP, ctx.pp_rank, ACT_SHAPE,
                                 torch.float32, ctx.device, ctx.pp_global_rank, ctx.pp_group)
     executor.record_timeline = True
@@ -191,7 +191,7 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
     mean = {k: statistics.mean(e[1] - e[0] for tl in med["timelines"] for e in tl if e[2] == k) for k in kinds}
     backward = mean["B"] + mean.get("W", 0.0)
     at_measured_costs = simulate(plan, PP, vpp, m, mean["F"], backward, w_cost=mean.get("W"),
-                                 v_shape=schedule == "zbv").makespan  # messages still free
+                                 v_shape=v_shaped(schedule)).makespan  # messages still free
     peaks = [0] * PP
     for rank, tl in enumerate(med["timelines"]):  # forwards whose W (B without W's) has not run
         held = 0

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.resume import warn
-from megatron_lite.layout import Layout
 from megatron_lite.checkpoint.store import LATEST, META, UNIVERSAL, atomic_write, read_meta, step_name
+from megatron_lite.layout import Layout
 
 # --- RNG streams ------------------------------------------------------------------------------------------
 

@@ -53,8 +53,8 @@ class Engine:
             honour_explicit_zero3_dtype()
         self.ds_config = deepspeed_config(cfg, ctx.dp_size, load_universal)
         t = cfg.train
-        layout = layout if layout is not None else Layout.of_run(cfg, ctx.world_size)
-        self.accum = layout.accumulation  # micro-batches per step on each pipeline
+        self.layout = layout if layout is not None else Layout.of_run(cfg, ctx.world_size)
+        self.accum = self.layout.accumulation  # micro-batches per step on each pipeline
         assert model.tied is not None or not needs_tie(model), "a pipeline's tied embedding: see tie_across_stages"
         # The DeepSpeed engine (optimizer, ZeRO, checkpoints) and the model it wraps (this rank's GPT).
         self.ds_engine, _, _, _ = deepspeed.initialize(
@@ -156,7 +156,7 @@ class Engine:
         if pp == 1:
             return loss
         out = loss.detach().clone() if loss is not None else torch.zeros((), device=self.ctx.device)
-        head_rank, _ = stage_owner(pp * vpp - 1, pp, v_shape=self.executor.schedule_name == "zbv")  # in a V: rank 0
+        head_rank, _ = stage_owner(pp * vpp - 1, pp, v_shape=self.layout.v_shape)  # in a V: rank 0
         torch.distributed.broadcast(out, self.ctx.pp_global_rank(head_rank), group=self.ctx.pp_group)
         return out
 

@@ -29,7 +29,7 @@ from megatron_lite.model.parallelize_cp import cp_parallelize
 from megatron_lite.model.parallelize import parallelize
 from megatron_lite.model.tied import tie_across_stages
 from megatron_lite.pipeline.partition import rank_chunks
-from megatron_lite.pipeline.schedules import resolve_schedule
+from megatron_lite.pipeline.schedules import resolve_schedule, v_shaped
 
 
 def build_model(cfg: Config, ctx: ParallelContext, *,
@@ -40,7 +40,7 @@ def build_model(cfg: Config, ctx: ParallelContext, *,
     default keeps fp32 parameters on ctx.device for the engine to take over."""
     p = cfg.parallel
     model = GPT(cfg.model, tp=ctx.tp_size, seed=cfg.seed, device="meta")
-    v_shape = resolve_schedule(p.schedule, p.vpp) == "zbv"
+    v_shape = v_shaped(resolve_schedule(p.schedule, p.vpp))
     model.keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, p.vpp, cfg.model.n_layers, p.pp_layers, v_shape))
     model = parallelize(model, ctx.tp_group, p.sp)
     model = cp_parallelize(model, ctx.cp_group, p.cp_mode)

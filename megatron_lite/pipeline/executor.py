@@ -45,7 +45,7 @@ from torch.autograd.variable import Variable
 
 from megatron_lite.parallel import weight_grad
 from megatron_lite.pipeline.partition import ChunkSpec
-from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, Comm, Compute, build_schedule
+from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, Comm, Compute, build_schedule, v_shaped
 
 
 @dataclass
@@ -90,7 +90,7 @@ class PipelineExecutor:
         evaluate (any m, no backward to interleave with)."""
         if (train, m) not in self._schedules:
             name = self.schedule_name if train else "gpipe"
-            v_shape = self.schedule_name == "zbv"  # the chunks' placement, whichever schedule runs them
+            v_shape = v_shaped(self.schedule_name)  # the chunks' placement, whichever schedule runs them
             steps = build_schedule(name, self.pp, len(self.chunks), m, v_shape)[self.pp_rank]
             self._schedules[(train, m)] = steps if train else forward_only(steps)
         return self._schedules[(train, m)]

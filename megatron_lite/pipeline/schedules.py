@@ -47,6 +47,12 @@ from megatron_lite.pipeline.partition import stage_owner, virtual_stage
 
 SCHEDULE_CHOICES = ("auto", "gpipe", "1f1b", "interleaved", "zb_h1", "zbv")
 SPLIT_BACKWARD = ("zb_h1", "zbv")  # schedules whose backward is B (input gradient) + W (weight gradient)
+V_SHAPED = ("zbv",)  # schedules whose stages sit in a V (rank r holds stages r and 2pp-1-r), not in loops
+
+
+def v_shaped(schedule: str) -> bool:
+    """Whether a resolved schedule name places each rank's chunks in a V (partition.py)."""
+    return schedule in V_SHAPED
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ def in_flight_bound(name: str, pp: int, vpp: int, m: int, pp_rank: int) -> int:
     pp divides m). zbv: min(2pp, m + 1 + r, 2m) chunk forwards, each half a 1F1B stage's layers: at most
     pp stages' worth on every rank, 1F1B's first-rank bound (Qi et al. 2024, sec. 6).
     """
-    if resolve_schedule(name, vpp) == "zbv":
+    if v_shaped(resolve_schedule(name, vpp)):
         return min(2 * pp, m + 1 + pp_rank, 2 * m)
     return min(warmup_forwards(name, pp, vpp, m, pp_rank) + 1, m * vpp)
 
@@ -341,7 +347,7 @@ def build_schedule(name: str, pp: int, vpp: int, m: int, v_shape: bool | None = 
     """One ordered list of steps per pipeline rank; `name` as in parallel.schedule (auto allowed). v_shape:
     the stages sit in a V (partition.py); by default only for zbv (evaluation runs gpipe's forwards on a V)."""
     resolved = resolve_schedule(name, vpp)
-    v_shape = resolved == "zbv" if v_shape is None else v_shape
+    v_shape = v_shaped(resolved) if v_shape is None else v_shape
     if m < 1:
         raise ConfigError(f"parallel.schedule={name} needs at least 1 micro-batch per step, got {m}; "
                           "raise train.global_batch_size")

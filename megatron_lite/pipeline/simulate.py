@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_lite.pipeline.partition import stage_owner, virtual_stage
-from megatron_lite.pipeline.schedules import Comm, Compute, P2P, Step, held_bound, in_flight_bound, resolve_schedule
+from megatron_lite.pipeline.schedules import (Comm, Compute, P2P, Step, held_bound, in_flight_bound, resolve_schedule,
+                                              v_shaped)
 
 
 class ScheduleError(RuntimeError):
@@ -318,5 +319,5 @@ def simulate(schedule: list[list[Step]], pp: int, vpp: int, m: int, f_cost: floa
     """
     w_cost = b_cost / 2 if w_cost is None else w_cost
     if v_shape is None:
-        v_shape = name is not None and resolve_schedule(name, vpp) == "zbv"
+        v_shape = name is not None and v_shaped(resolve_schedule(name, vpp))
     return _Simulator(schedule, pp, vpp, m, f_cost, b_cost, w_cost, v_shape).run(name)

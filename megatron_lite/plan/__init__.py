@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ClusterConfig, Config, ModelConfig
 from megatron_lite.metrics import step_flops
+from megatron_lite.pipeline.schedules import v_shaped
 from megatron_lite.plan.hardware import Cluster, gpu_named
 from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.memory import RankMemory, rank_memory
@@ -85,7 +86,7 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str
     ranks = ranks if ranks is not None else predict_memory(model, layout, precision, cuda)
     pp_layers = list(layout.pp_layers) if layout.pp_layers else None
     params = [sum(p.numel for p in rank_params(model, layout.tp, layout.pp, layout.vpp, r, pp_layers,
-                                               layout.schedule == "zbv"))
+                                               v_shaped(layout.schedule)))
               for r in priced_ranks(model, layout)]
     step = StepModel(model, layout, cluster, precision, system).step(params)
     tokens = layout.global_batch_size * model.seq_len

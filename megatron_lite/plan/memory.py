@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.pipeline.partition import rank_chunks
+from megatron_lite.pipeline.schedules import v_shaped
 from megatron_lite.plan import activations as A
 from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.params import chunk_param_count, padded_vocab, rank_params
@@ -62,11 +63,11 @@ def micro_shape(cfg: ModelConfig, lay: Layout, precision: str, cuda: bool) -> A.
 def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "bf16", cuda: bool = True) -> RankMemory:
     """Predicted bytes of pipeline rank `pp_rank` (every tp/cp/dp rank of it alike)."""
     pp_layers = list(lay.pp_layers) if lay.pp_layers else None
-    params = rank_params(cfg, lay.tp, lay.pp, lay.vpp, pp_rank, pp_layers, lay.schedule == "zbv")
+    params = rank_params(cfg, lay.tp, lay.pp, lay.vpp, pp_rank, pp_layers, v_shaped(lay.schedule))
     bf16 = precision == "bf16"
     st = zero_states(params, lay.dp * lay.cp, lay.zero_stage, bf16, lay.offload_optimizer != "none",
                      lay.offload_param != "none", cuda)
-    chunks = rank_chunks(pp_rank, lay.pp, lay.vpp, cfg.n_layers, pp_layers, lay.schedule == "zbv")
+    chunks = rank_chunks(pp_rank, lay.pp, lay.vpp, cfg.n_layers, pp_layers, v_shaped(lay.schedule))
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
     x = micro_shape(cfg, lay, precision, cuda)
 

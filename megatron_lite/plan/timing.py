@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ModelConfig
 from megatron_lite.metrics import layer_flops_per_token
 from megatron_lite.pipeline.partition import stage_layers, virtual_stage
-from megatron_lite.pipeline.schedules import build_schedule
+from megatron_lite.pipeline.schedules import build_schedule, v_shaped
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
 from megatron_lite.plan.activations import head_vocab
 from megatron_lite.plan.hardware import Cluster
@@ -224,7 +224,7 @@ class StepModel:
         for r in range(lay.pp):
             chunks = []
             for c in range(lay.vpp):
-                v = virtual_stage(r, c, lay.pp, lay.schedule == "zbv")
+                v = virtual_stage(r, c, lay.pp, v_shaped(lay.schedule))
                 f, b = _Work(), _Work()
                 for layer in stages[v]:
                     f = f + fwd

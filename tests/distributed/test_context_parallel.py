@@ -14,40 +14,41 @@ gradient norm within 1e-4 (relative) of the single process; cross-rank sums only
 Checkpoints: an exact resume at the same cp (1e-6) and a resume at another cp through the elastic load (1e-4).
 """
 
-import os
-import subprocess
-
 import pytest
 
 from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import logged_records, max_abs_diff, max_relative_diff, overrides
-from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
+from tests.distributed import cp_worker
+from tests.distributed.launcher import run_configs
+from tests.distributed.ranks import on_ranks
 from tests.distributed.test_resume import STEPS8, assert_continues
 
 TOL = 1e-4
 
 
-def run_worker(backend: str, env: dict) -> str:
-    proc = subprocess.run(torchrun_cmd(4, os.path.join(ROOT, "tests/distributed/cp_worker.py"), backend),
-                          env=rank_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    clean_shared_memory()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    return proc.stdout
+def assert_within(errors: dict[str, float], cases: int) -> None:
+    """Every case's largest error within the worker's TOL; bitwise cases exactly equal."""
+    print(errors)
+    assert len(errors) == cases, errors
+    for case, error in errors.items():
+        assert error == 0 if "bitwise" in case else error <= cp_worker.TOL, (case, error)
 
 
 def test_context_parallel_matches_serial_model():
-    out = run_worker("torch", {})
+    errors = on_ranks(4, "tests.distributed.cp_worker:errors", "torch", timeout=900)[0]
     # 3 layouts x 2 flavours x 2 modes, the two dropout cases, and at cp 4 and 2 ring attention against masked
     # attention three ways: fused and explicit blocks without dropout, explicit blocks with dropout
-    assert out.count("max relative error") == 20, out
+    assert_within(errors, 20)
+    assert sum("bitwise" in case for case in errors) == 2 and sum("ring attention" in case for case in errors) == 6
 
 
 @pytest.mark.slow
 def test_triton_kernels_under_context_parallel_match_serial():
     """cp=2 with kernels.backend=triton (Triton's interpreter on CPU) against the serial torch model."""
-    out = run_worker("triton", {"TRITON_INTERPRET": "1"})
-    assert out.count("kernels=triton") == 4, out
+    errors = on_ranks(4, "tests.distributed.cp_worker:errors", "triton", env={"TRITON_INTERPRET": "1"},
+                      timeout=900)[0]
+    assert_within(errors, 4)
+    assert all("kernels=triton" in case for case in errors), errors
 
 
 @pytest.fixture(scope="module")

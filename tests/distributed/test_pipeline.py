@@ -14,13 +14,14 @@
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
-from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
+from tests.distributed import pipeline_worker
+from tests.distributed.launcher import run_configs
+from tests.distributed.ranks import on_ranks
 
 TOL = 1e-4
 EVAL = ["train.eval_interval=3", "train.eval_iters=3"]
@@ -60,11 +61,17 @@ def references(tmp_path_factory):
 
 
 def test_pipeline_gradients_match_serial():
-    proc = subprocess.run(torchrun_cmd(4, os.path.join(ROOT, "tests/distributed/pipeline_worker.py")),
-                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    clean_shared_memory()
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("max relative error") == 48, proc.stdout
+    """Bounds and the reasons for them: tests/distributed/pipeline_worker.py."""
+    results = on_ranks(4, "tests.distributed.pipeline_worker:results")[0]
+    for r in results:
+        print(r)
+    assert len(results) == len({r["case"] for r in results}) == 48
+    for r in results:
+        assert r["gradients"] <= pipeline_worker.TOL and r["loss"] <= pipeline_worker.TOL, r
+        assert r["vs_1f1b"] in (None, 0.0), r  # zb_h1's gradients are 1F1B's, bit for bit
+        assert r["kept"] < 2, r  # sent activations gave up their storage
+        # a tied pipeline holds wte on its first and last stage; in a V both ends are rank 0's one weight
+        assert r["held"] == r["serial"] + (r["case"].startswith("gpt2-tied") and "zbv" not in r["case"]), r
 
 
 def test_pipeline_zero_stages_match_single_process(references, tmp_path):

@@ -13,24 +13,27 @@ import subprocess
 import pytest
 
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
+from tests.distributed.ranks import on_ranks
+from tests.distributed.tp_worker import TOL
+
+
+def expected_cases(tp: int, backend: str) -> set[str]:
+    return {f"{flavour} tp={tp} sp={sp} kernels={backend} {what}" for flavour in ("gpt2", "llama-gqa")
+            for sp in (False, True) for what in ("loss, logits", "gradients")}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_and_sequence_parallel_match_serial(tp):
-    proc = subprocess.run(torchrun_cmd(tp, os.path.join(ROOT, "tests/distributed/tp_worker.py")),
-                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    clean_shared_memory()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("max relative error") == 8, proc.stdout
+    errors = on_ranks(tp, "tests.distributed.tp_worker:errors", "torch")[0]
+    assert set(errors) == expected_cases(tp, "torch"), errors
+    assert all(e <= TOL for e in errors.values()), errors
 
 
 def test_triton_kernels_under_tensor_and_sequence_parallel_match_serial():
     """tp=2 with kernels.backend=triton (Triton's interpreter on CPU) against the serial torch model."""
-    proc = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/tp_worker.py"), "triton"),
-                          env=rank_env(TRITON_INTERPRET="1"), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    clean_shared_memory()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("kernels=triton") == 8, proc.stdout
+    errors = on_ranks(2, "tests.distributed.tp_worker:errors", "triton", env={"TRITON_INTERPRET": "1"})[0]
+    assert set(errors) == expected_cases(2, "triton"), errors
+    assert all(e <= TOL for e in errors.values()), errors
 
 
 def test_dropout_masks_differ_inside_tp_regions_and_agree_outside():

@@ -67,7 +67,7 @@ def _async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
-@pytest.mark.slow  # the first run on a machine also builds DeepSpeed's async_io op (~2 min on 2 cores)
+@pytest.mark.slow  # without `make ops` first, the first run on a machine builds DeepSpeed's async_io op (~3 min)
 @pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_nvme_offload_matches_no_offload(stage, reference, tmp_path):
