@@ -15,7 +15,6 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.sharded import convert_to_universal
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
-from megatron_lite.layout import Layout
 
 
 def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0) -> str:
@@ -44,9 +43,9 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
     """Full fp32 weights of a tensor- or pipeline-parallel checkpoint: DeepSpeed's universal conversion merges
     the TP shards with the split patterns saved beside them and unions the pipeline stages (parameter names
     are global; the tied embedding's two copies are equal); vocabulary rows come back unpadded."""
-    layout = Layout.of_checkpoint(meta)
-    if layout.zero_stage == 0:
-        split = " x ".join(f"parallel.{k}={getattr(layout, k)}" for k in ("tp", "pp") if getattr(layout, k) > 1)
+    layout = meta["layout"]
+    if layout["zero_stage"] == 0:
+        split = " x ".join(f"parallel.{k}={layout.get(k, 1)}" for k in ("tp", "pp") if layout.get(k, 1) > 1)
         raise ValueError(f"{path} was written at {split} with zero.stage=0; merging its shards needs a ZeRO 1-3 "
                          "checkpoint (resume it with zero.stage=1 and save again)")
     from megatron_lite.model.gpt import padded_vocab_size
@@ -76,10 +75,9 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     if meta["kind"] == "weights":
         # Memory-mapped: a rank that builds only its share (model/build.py) reads only the tensors it takes.
         return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True, mmap=True)
-    layout = Layout.of_checkpoint(meta)
-    if layout.tp > 1 or layout.pp > 1:
+    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1:
         return model_cfg, _merged_weights(path, meta, model_cfg)
-    if layout.zero_stage == 0:
+    if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     else:

@@ -399,6 +399,7 @@ class GPT(nn.Module):
         """train.compile: torch.compile each transformer block in place (nn.Module.compile keeps the module and
         its parameter names, so checkpoints, DeepSpeed's hooks and recompute see the same model). Blocks with
         dropout break the graph at the keyed mask draws and still run correctly."""
+        weight_grad.run_eagerly_under_compile()
         for block in self.blocks.values():
             block.compile()
 

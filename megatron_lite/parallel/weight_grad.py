@@ -258,7 +258,6 @@ def held(param: torch.Tensor | None) -> torch.Tensor | None:
     return _after_b_stand_in(param, store) if _kept else _held_stand_in(param, store)
 
 
-@torch.compiler.disable
 def _held_stand_in(param: torch.Tensor, store: WeightGradStore, after_b: bool = False) -> torch.Tensor:
     leaf = stand_in(param)
     leaf.register_hook(lambda grad: store.defer((param,), lambda: (grad,), after_b))
@@ -269,6 +268,14 @@ def _after_b_stand_in(param: torch.Tensor | None, store: WeightGradStore) -> tor
     return None if param is None else _held_stand_in(param, store, after_b=True)
 
 
-@torch.compiler.disable
 def _split_op(function, *args):
     return function.apply(*args)
+
+
+def run_eagerly_under_compile() -> None:
+    """Exclude the deferring ops from torch.compile (torch.compiler.disable): under train.compile they run
+    eagerly between the compiled parts. GPT.compile_blocks calls this before anything is traced; it is not
+    done at import because the decorator imports torch._dynamo, 1.6 s on every rank of every run."""
+    global _held_stand_in, _split_op
+    if not getattr(_split_op, "_torchdynamo_disable", False):
+        _held_stand_in, _split_op = torch.compiler.disable(_held_stand_in), torch.compiler.disable(_split_op)

@@ -93,11 +93,13 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
 
 
 @pytest.mark.parametrize("stage,dp_from,dp_to", [
-    pytest.param(1, 4, 2, marks=pytest.mark.slow), (2, 4, 2), pytest.param(3, 4, 2, marks=pytest.mark.slow),
+    (2, 4, 2), pytest.param(3, 4, 2, marks=pytest.mark.slow),
     pytest.param(2, 2, 4, marks=pytest.mark.slow), pytest.param(3, 2, 4, marks=pytest.mark.slow)])
 def test_elastic_dp_resume(stage, dp_from, dp_to, tmp_path):
     """Save at one DP size, resume at another: loss and grad norm continue the uninterrupted run within 1e-4.
-    The accumulation count changes with the DP size (1 at dp=4, 2 at dp=2): a wrong scale shows in the norms."""
+    The accumulation count changes with the DP size (1 at dp=4, 2 at dp=2): a wrong scale shows in the norms.
+    ZeRO-1 is not repeated here: its states are ZeRO-2's (one optimizer class, one universal conversion), and a
+    ZeRO-1 checkpoint is resumed on another layout in test_pipeline_checkpoint and test_context_parallel."""
     name = f"z{stage}_{dp_from}"
     (straight,) = run_configs(dp_from, [overrides(tmp_path, name, *STEPS8, "checkpoint.interval=4",
                                                   f"zero.stage={stage}")], tmp_path)
