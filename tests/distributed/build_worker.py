@@ -24,6 +24,7 @@ from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context import ParallelContext, init_distributed
 from megatron_lite.model.parallelize import parallelize
 from megatron_lite.pipeline.partition import rank_chunks
+from tests.distributed.rank_runner import leave_world
 
 # vocab_multiple=48 pads the vocabulary to 1008 rows at tp=1 and to 1056 at tp=2, so the check against tp=1
 # also covers padding that depends on tp.
@@ -125,8 +126,7 @@ def main() -> None:
     init_distributed()
     check_tp_shards(ParallelContext.build(tp=2, pp=1))
     check_zero3_partitions()
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_world()  # tests/distributed/rank_runner.py says why
 
 
 if __name__ == "__main__":

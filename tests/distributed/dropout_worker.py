@@ -22,6 +22,7 @@ from megatron_lite.model import gpt as gpt_module
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel import random as tp_random
 from megatron_lite.model.parallelize import parallelize
+from tests.distributed.rank_runner import leave_world
 
 
 def gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -130,8 +131,7 @@ def main() -> None:
             gpt_module.recompute = tp_random.recompute
     if rank == 0:
         print("dropout checks passed")
-    dist.barrier()  # as tests/distributed/worker.py: no rank tears gloo down while its peer is still finishing
-    dist.destroy_process_group()
+    leave_world()  # tests/distributed/rank_runner.py says why
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.parallel import mappings as M
+from tests.distributed.rank_runner import leave_world
 
 SHAPE = (2, 8, 12)  # (batch, seq, hidden); seq and hidden divide by 2 and 4
 
@@ -91,8 +92,7 @@ def main() -> None:
     for op in (M.copy_to_tp, M.reduce_from_tp, M.gather_from_sp, M.reduce_scatter_to_sp, a2a):
         if op(xs[r], solo) is not xs[r]:
             sys.exit(f"{getattr(op, '__name__', op)} is not the identity on a one-rank group")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_world()  # tests/distributed/rank_runner.py says why
 
 
 if __name__ == "__main__":
