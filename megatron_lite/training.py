@@ -170,13 +170,13 @@ class Trainer:
         weights = None
         if meta is not None and meta["kind"] == "weights":
             weights = checkpoint_weights.load_model_state(resume_path)[1]
-        self.universal = (meta is not None and meta["kind"] == "deepspeed"
-                          and self.layout.needs_conversion(Layout.of_checkpoint(meta)))
+        universal = (meta is not None and meta["kind"] == "deepspeed"
+                     and self.layout.needs_conversion(Layout.of_checkpoint(meta)))
         partition, build_dtype = None, torch.float32
         if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
             if cfg.zero.offload_param == "nvme":
                 honour_explicit_zero3_dtype()
-            partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, self.universal), ctx)
+            partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, universal), ctx)
         # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
         model = build_model(cfg, ctx, weights=weights, dtype=build_dtype, partition=partition)
         del weights
@@ -184,7 +184,7 @@ class Trainer:
         model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
         if cfg.train.compile:
             model.compile_blocks()
-        return Engine(cfg, model, ctx, load_universal=self.universal, layout=self.layout)
+        return Engine(cfg, model, ctx, load_universal=universal, layout=self.layout)
 
     def _resume(self, resume_path: str | None, meta: dict | None) -> dict | None:
         """Load a DeepSpeed checkpoint into the engine and return the meta of what was loaded (a weights-only

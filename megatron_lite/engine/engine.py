@@ -22,8 +22,8 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision
 from megatron_lite.engine.repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
-                                             restore_group_hyperparameters, sum_zero3_gradients_over_cp,
-                                             zero_offload_accumulators)
+                                          restore_group_hyperparameters, sum_zero3_gradients_over_cp,
+                                          zero_offload_accumulators)
 from megatron_lite.layout import Layout
 from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.model.tied import needs_tie
