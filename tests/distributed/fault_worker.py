@@ -8,7 +8,6 @@ the background writer thread while the loop trains on.
 
 import os
 import signal
-import sys
 import time
 
 import torch
@@ -28,7 +27,7 @@ def _save_then_die(obj, f, *args, **kwargs):
 
 torch.save = _save_then_die
 
-from megatron_lite.cli import main  # noqa: E402  (after the patch, so DeepSpeed sees it too)
+from megatron_lite.cli import exit_process, main  # noqa: E402  (after the patch, so DeepSpeed sees it too)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main)

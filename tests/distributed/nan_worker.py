@@ -4,7 +4,6 @@ dp > 1 only the replica holding that micro-batch goes NaN, and the other replica
 reduction, as a real overflow on one GPU would spread."""
 
 import os
-import sys
 
 from megatron_lite.model.gpt import GPT
 
@@ -23,7 +22,7 @@ def _forward_with_nan(self, inputs, labels=None, chunk=0, rng_key=None):
 
 GPT.forward = _forward_with_nan
 
-from megatron_lite.cli import main  # noqa: E402
+from megatron_lite.cli import exit_process, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main)

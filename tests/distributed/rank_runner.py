@@ -22,11 +22,9 @@ def main(spec_path: str) -> None:
 
 
 def leave_world() -> None:
-    """End a test worker's gloo world: a barrier (every rank is done), then exit without tearing gloo down.
-    In a clean-clone suite one rank of this runner's tp=4 world aborted after its value was written ("terminate
-    called without an active exception", exit -6; 0 of 12 reruns reproduced it), in gloo's teardown at destroy
-    or at interpreter exit; dropout_worker's own comment records an earlier teardown race. Nothing is left that
-    the teardown could protect."""
+    """End a test worker's gloo world: a barrier (every rank is done), then exit without the interpreter's
+    teardown, in which gloo's worker threads can abort a finished rank (megatron_lite/cli.exit_process says how;
+    seen here once in a tp=4 world after its value was written). Nothing is left that the teardown protects."""
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

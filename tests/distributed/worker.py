@@ -9,11 +9,11 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_lite.cli import load
+from megatron_lite.cli import exit_process, load
 from megatron_lite.training import run
 
 
-def main(spec_path: str) -> None:
+def main(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     results = []
@@ -25,7 +25,8 @@ def main(spec_path: str) -> None:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    exit_process(lambda: main(sys.argv[1]))
