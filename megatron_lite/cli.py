@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_process(main_function: Callable[[], int]) -> NoReturn:
-    """Run `main_function` (an uncaught error prints its traceback and gives exit code 1, as Python does) and
-    end the process with its code, skipping the interpreter's teardown. gloo's worker threads let go of a
+def exit_process(main_function: Callable[[], int | None]) -> NoReturn:
+    """Run `main_function` and end the process with its code (None is 0; an uncaught error prints its traceback
+    and gives 1, as with sys.exit), skipping the interpreter's teardown. gloo's worker threads let go of a
     collective's work only after its caller has returned; when the caller's tensor is gone by then, letting go
     takes the GIL, and during the interpreter's teardown taking the GIL ends the thread (pthread_exit), which
     C++ turns into std::terminate: a rank that had finished cleanly aborted with "terminate called without an
@@ -199,5 +199,5 @@ def exit_process(main_function: Callable[[], int]) -> NoReturn:
     atexit._run_exitfuncs()  # the part of the teardown that must happen; the rest is what races
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code or 0)
 

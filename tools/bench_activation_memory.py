@@ -110,4 +110,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_lite.cli import exit_process
+
+    exit_process(main)  # a gloo rank ends without the interpreter's teardown: exit_process says why
