@@ -80,14 +80,17 @@ def repeated_sequence_data(path, seq_len: int, vocab: int = 8192) -> str:
 
 
 def test_bf16_accumulates_gradients_in_fp32(tmp_path):
+    """256 micro-batches of one sequence, so every micro-batch adds the same gradient. Measured: ZeRO 0-3 bf16
+    within 2.3e-4 of fp32; with DeepSpeed told to accumulate in bf16 (grad_accum_dtype) ZeRO 1-3 are 1.7e-2 off.
+    The bound sits between, about 8x from each."""
     data = repeated_sequence_data(tmp_path / "data", seq_len=16)
-    many = ["train.steps=1", "train.global_batch_size=512", "train.micro_batch_size=1", f"data.path={data}",
+    many = ["train.steps=1", "train.global_batch_size=256", "train.micro_batch_size=1", f"data.path={data}",
             "model.seq_len=16", "model.n_layers=1"]  # one layer: the accumulation, not the depth, is under test
     runs = [overrides(tmp_path, "fp32", *many)] + [overrides(tmp_path, f"bf16_z{s}", *many, BF16, f"zero.stage={s}")
                                                    for s in (0, 1, 2, 3)]
     fp32, *bf16 = run_configs(1, runs, tmp_path)
     for stage, result in enumerate(bf16):
         off = max_relative_diff(result["grad_norms"], fp32["grad_norms"])
-        assert off <= 1e-2, (f"ZeRO-{stage} bf16: the norm of 512 accumulated micro-batch gradients is {off:.1%} off "
+        assert off <= 2e-3, (f"ZeRO-{stage} bf16: the norm of 256 accumulated micro-batch gradients is {off:.2%} off "
                              f"the fp32 run's ({result['grad_norms']} vs {fp32['grad_norms']}); are gradients "
                              "accumulated in bf16?")
