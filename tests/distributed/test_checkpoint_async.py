@@ -12,7 +12,8 @@ import pytest
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
 from tests.distributed.common import overrides
 from tests.distributed.launcher import run_configs
-from tests.distributed.test_resume import STEPS8, assert_continues, killed_writing_step_4, straight_then_resumed
+from tests.distributed.test_resume import (STEPS8, assert_continues, killed_writing_step_4, straight_then_resumed,
+                                          straights_then_resumed)
 
 ASYNC = ["checkpoint.async_save=true"]
 
@@ -22,39 +23,37 @@ def _metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
-def test_exact_resume_from_an_async_checkpoint(stage, tmp_path):
-    """dp=2, ZeRO `stage`: 8 straight steps saving asynchronously at 4 vs a fresh world resuming from it."""
-    ckpt = f"{tmp_path}/straight/checkpoints"
-    straight, resumed = straight_then_resumed(2, tmp_path, [f"zero.stage={stage}", *ASYNC])
-    records = _metrics(f"{tmp_path}/straight")
-    assert all(r["ckpt_block_s"] >= 0 for r in records if r["step"] in (4, 8)), records
-    # each save's write time, logged on the step it is known: step 4's on a step from 4 (a write done before the
-    # loop looked) to 8 (when step 8's save had to wait for it, and step 8's own write time then takes its
-    # place), step 8's on step 8
-    written = [r["step"] for r in records if "ckpt_write_s" in r]
-    assert written[-1:] == [8] and len(written) <= 2 and all(4 <= s <= 8 for s in written), records
-    assert_continues(resumed, straight, 1e-6, f"zero.stage={stage}, async checkpoint")
-    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
-    assert not [n for n in os.listdir(os.path.join(ckpt, step_name(8))) if n.startswith(".share")]
+LAYOUTS = {  # dp=2 on every ZeRO stage; offload (the staging copy reads the states where offload keeps them);
+    # cp=2 (a cp group's ranks, same weights and other tokens, each stage their own files)
+    "zero0": ["zero.stage=0"], "zero3": ["zero.stage=3"], "zero1": ["zero.stage=1"], "zero2": ["zero.stage=2"],
+    "zero3_offload_all": ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"],
+    "cp2_ring": ["parallel.cp=2", "zero.stage=1"],
+}
+
+
+@pytest.mark.parametrize("names", [["zero0", "zero3"], pytest.param(["zero1", "zero2", "zero3_offload_all", "cp2_ring"],
+                                                                    marks=pytest.mark.slow)], ids=["quick", "more"])
+def test_exact_resume_from_an_async_checkpoint(names, tmp_path):
+    """2 ranks: per layout, 8 straight steps saving asynchronously at 4 vs a fresh world resuming from it."""
+    results = straights_then_resumed(2, tmp_path, {name: [*LAYOUTS[name], *ASYNC] for name in names})
+    for name, (straight, resumed) in results.items():
+        ckpt = f"{tmp_path}/{name}/checkpoints"
+        records = _metrics(f"{tmp_path}/{name}")
+        assert all(r["ckpt_block_s"] >= 0 for r in records if r["step"] in (4, 8)), records
+        # each save's write time, logged on the step it is known: step 4's on a step from 4 (a write done before
+        # the loop looked) to 8 (when step 8's save had to wait for it, and step 8's own write time then takes its
+        # place), step 8's on step 8
+        written = [r["step"] for r in records if "ckpt_write_s" in r]
+        assert written[-1:] == [8] and len(written) <= 2 and all(4 <= s <= 8 for s in written), (name, records)
+        assert_continues(resumed, straight, 1e-6, f"{name}, async checkpoint")
+        assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
+        assert not [n for n in os.listdir(os.path.join(ckpt, step_name(8))) if n.startswith(".share")]
 
 
 @pytest.mark.slow
 def test_exact_resume_from_an_async_checkpoint_pp2_tp2(tmp_path):
     straight, resumed = straight_then_resumed(4, tmp_path, ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", *ASYNC])
     assert_continues(resumed, straight, 1e-6, "pp=2 x tp=2, async checkpoint")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout", [  # (ZeRO-2 optimizer offload passed too: 84 s, left out for time)
-    (2, ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"]),
-    (2, ["parallel.cp=2", "zero.stage=1"]),
-], ids=["zero3-offload-all", "cp2-ring"])
-def test_exact_resume_from_an_async_checkpoint_offload_and_cp(nproc, layout, tmp_path):
-    """The staging copy reads the optimizer and parameter states where offload keeps them (host memory), and
-    a cp group's ranks (same weights, other tokens) each stage their own files."""
-    straight, resumed = straight_then_resumed(nproc, tmp_path, [*layout, *ASYNC])
-    assert_continues(resumed, straight, 1e-6, f"{' '.join(layout)}, async checkpoint")
 
 
 @pytest.mark.slow
@@ -81,9 +80,9 @@ def test_rank_killed_during_a_background_write(tmp_path):
     logged = [r["step"] for r in _metrics(f"{tmp_path}/run")]
     assert 5 in logged, f"the loop waited for the write instead of training on: {logged}"
 
-    (resumed,) = run_configs(2, [args + ["checkpoint.resume=auto"]], tmp_path)
+    resumed, straight = run_configs(2, [args + ["checkpoint.resume=auto"],
+                                        overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")], tmp_path)
     assert [r["step"] for r in _metrics(f"{tmp_path}/run")][-6:] == [3, 4, 5, 6, 7, 8]
-    (straight,) = run_configs(2, [overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")], tmp_path)
     assert len(resumed["losses"]) == 6
     assert_continues(resumed, straight, 1e-6, "async: restart from step 2")
     assert os.path.isfile(os.path.join(ckpt, step_name(8), "meta.json"))

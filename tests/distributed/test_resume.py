@@ -30,24 +30,26 @@ def assert_continues(resumed: dict, straight: dict, tol: float, what: str) -> No
 
 def straight_then_resumed(nproc: int, tmp_path, layout: list[str]) -> tuple[dict, dict]:
     """8 straight steps saving at 4, then a fresh `nproc`-rank world resuming from step 4 (same layout)."""
-    ckpt = f"{tmp_path}/straight/checkpoints"
-    (straight,) = run_configs(nproc, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
-                              tmp_path)
-    (resumed,) = run_configs(nproc, [overrides(tmp_path, "resumed", *STEPS8, *layout,
-                                               f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                               f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
-    assert len(resumed["losses"]) == 4
-    return straight, resumed
+    return straights_then_resumed(nproc, tmp_path, {"straight": layout})["straight"]
+
+
+def straights_then_resumed(nproc: int, tmp_path, layouts: dict[str, list[str]]) -> dict[str, tuple[dict, dict]]:
+    """Per named layout: 8 straight steps saving at 4 (run dir <name>), all in one `nproc`-rank world; then a
+    fresh world resumes each from its step 4 (run dir <name>_resumed). Two worlds whatever the number of
+    layouts: a world's start-up (torchrun, imports, rendezvous: ~6 s) costs more than a tiny run."""
+    straight = run_configs(nproc, [overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
+                                   for name, layout in layouts.items()], tmp_path)
+    resumed = run_configs(nproc, [overrides(tmp_path, f"{name}_resumed", *STEPS8, *layout,
+                                            f"checkpoint.dir={tmp_path}/{name}_resumed/checkpoints",
+                                            f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
+                                  for name, layout in layouts.items()], tmp_path)
+    assert all(len(r["losses"]) == 4 for r in resumed), [len(r["losses"]) for r in resumed]
+    return dict(zip(layouts, zip(straight, resumed)))
 
 
 def test_exact_resume_8_equals_4_plus_4(tmp_path):
     """8 straight steps (saving at 4) vs a fresh process resuming from step 4: loss and grad norm <= 1e-6."""
-    ckpt = f"{tmp_path}/straight/checkpoints"
-    (straight,) = run_configs(1, [overrides(tmp_path, "straight", *STEPS8, "checkpoint.interval=4")], tmp_path)
-    (resumed,) = run_configs(1, [overrides(tmp_path, "resumed", *STEPS8,
-                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                           f"checkpoint.resume={ckpt}/{step_name(4)}")], tmp_path)
-    assert len(resumed["losses"]) == 4
+    straight, resumed = straight_then_resumed(1, tmp_path, [])
     assert_continues(resumed, straight, 1e-6, "resumed steps 5-8")
 
 
@@ -81,12 +83,12 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     ckpt = f"{tmp_path}/run/checkpoints"
     killed_writing_step_4(args, ckpt)
 
-    (resumed,) = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
-                                              f"zero.stage={stage}"]], tmp_path)
+    resumed, straight = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
+                                                     f"zero.stage={stage}"],
+                                        overrides(tmp_path, "straight", *STEPS8, f"zero.stage={stage}")], tmp_path)
     with open(f"{tmp_path}/run/metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps[-6:] == [3, 4, 5, 6, 7, 8], steps  # the restart continued from step 2
-    (straight,) = run_configs(2, [overrides(tmp_path, "straight", *STEPS8, f"zero.stage={stage}")], tmp_path)
     assert len(resumed["losses"]) == 6
     assert_continues(resumed, straight, 1e-6, f"zero.stage={stage}: restart from step 2")
     assert os.path.isfile(os.path.join(ckpt, step_name(4), "meta.json"))  # rewritten cleanly this time

@@ -41,15 +41,19 @@ def test_zero_stages_match_single_process(nproc, reference, tmp_path):
         assert_follows(result, reference, f"zero.stage={stage} on {nproc} ranks")
 
 
-@pytest.mark.parametrize("stage,offload_param", [pytest.param(2, False, marks=pytest.mark.slow),
-                                                 pytest.param(3, False, marks=pytest.mark.slow), (3, True)],
-                         ids=["z2-optimizer", "z3-optimizer", "z3-optimizer-params"])
-def test_cpu_offload_matches_no_offload(stage, offload_param, reference, tmp_path):
-    """Optimizer states on the CPU (stages 2 and 3), and at stage 3 the parameters too."""
-    extra = ["zero.offload_param=cpu"] if offload_param else []
-    (result,) = run_configs(2, [overrides(tmp_path, "offload", f"zero.stage={stage}", "zero.offload_optimizer=cpu",
-                                          *extra)], tmp_path)
-    assert_follows(result, reference, f"zero.stage={stage} CPU offload (parameters: {offload_param})")
+OFFLOAD = {"z2-optimizer": (2, []), "z3-optimizer": (3, []), "z3-optimizer-params": (3, ["zero.offload_param=cpu"])}
+
+
+MORE = pytest.param(["z2-optimizer", "z3-optimizer"], marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("names", [["z3-optimizer-params"], MORE], ids=["quick", "more"])
+def test_cpu_offload_matches_no_offload(names, reference, tmp_path):
+    """Optimizer states on the CPU (stages 2 and 3), and at stage 3 the parameters too; one world per tier."""
+    runs = [overrides(tmp_path, name, f"zero.stage={OFFLOAD[name][0]}", "zero.offload_optimizer=cpu",
+                      *OFFLOAD[name][1]) for name in names]
+    for name, result in zip(names, run_configs(2, runs, tmp_path)):
+        assert_follows(result, reference, f"CPU offload {name}")
 
 
 @pytest.mark.slow
@@ -69,12 +73,12 @@ def _async_io_available() -> bool:
 
 @pytest.mark.slow  # without `make ops` first, the first run on a machine builds DeepSpeed's async_io op (~3 min)
 @pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_nvme_offload_matches_no_offload(stage, reference, tmp_path):
+def test_nvme_offload_matches_no_offload(reference, tmp_path):
     """Optimizer states on NVMe (stage 2), and optimizer states plus parameters on NVMe (stage 3), through
     DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (repairs.honour_explicit_zero3_dtype):
     without it the swapped embedding came back rounded to bf16 and the losses drifted by 2.3e-4."""
-    extra = ["zero.offload_param=nvme"] if stage == 3 else []
-    (result,) = run_configs(2, [overrides(tmp_path, "nvme", f"zero.stage={stage}", "zero.offload_optimizer=nvme",
-                                          *extra, f"zero.nvme_path={tmp_path}/nvme")], tmp_path)
-    assert_follows(result, reference, f"zero.stage={stage} NVMe offload")
+    runs = [overrides(tmp_path, f"nvme_z{stage}", f"zero.stage={stage}", "zero.offload_optimizer=nvme",
+                      *(["zero.offload_param=nvme"] if stage == 3 else []),
+                      f"zero.nvme_path={tmp_path}/nvme_z{stage}") for stage in (2, 3)]
+    for stage, result in zip((2, 3), run_configs(2, runs, tmp_path)):
+        assert_follows(result, reference, f"zero.stage={stage} NVMe offload")
