@@ -62,7 +62,7 @@ ops: install system-deps
 	$(PY) tools/build_ops.py
 
 # test: everything. test-fast: each feature once, by its cheapest case (it skips the cases marked `slow`,
-# see pyproject.toml). Both print the 15 slowest tests.
+# see pyproject.toml). Both print the 30 slowest tests.
 test: data ops
 	$(PY) -m pytest -q tests $(ARGS)
 

@@ -183,7 +183,7 @@ def exit_process(main_function: Callable[[], int | None]) -> NoReturn:
     collective's work only after its caller has returned; when the caller's tensor is gone by then, letting go
     takes the GIL, and during the interpreter's teardown taking the GIL ends the thread (pthread_exit), which
     C++ turns into std::terminate: a rank that had finished cleanly aborted with "terminate called without an
-    active exception", exit -6 (3 of 25 stops during start-up, whose last collective is the stop flag's
+    active exception", exit -6 (5 of 35 stops during start-up, whose last collective is the stop flag's
     all-reduce; backtrace AsyncAllreduceWork::~AsyncWork, TensorImpl::decref_pyobject, take_gil,
     PyThread_exit_thread). Stop signals are ignored from here (during the teardown Python would put their
     default action back and a late SIGTERM would turn 0 into 143) and the atexit functions (wandb's, logging's)
@@ -200,4 +200,3 @@ def exit_process(main_function: Callable[[], int | None]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
-

@@ -38,7 +38,8 @@ class Layout:
         return cls(world_size=world_size, dp=world_size // (p.tp * p.cp * p.pp), tp=p.tp, cp=p.cp, cp_mode=p.cp_mode,
                    pp=p.pp, vpp=p.vpp, zero_stage=cfg.zero.stage, precision=precision,
                    layers_per_stage=tuple(layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)),
-                   v_shape=v_shaped(resolve_schedule(p.schedule, p.vpp)), global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+                   v_shape=v_shaped(resolve_schedule(p.schedule, p.vpp)), global_batch_size=t.global_batch_size,
+                   micro_batch_size=t.micro_batch_size)
 
     @classmethod
     def of_checkpoint(cls, meta: dict) -> "Layout":
@@ -48,7 +49,8 @@ class Layout:
                    cp_mode=saved.get("cp_mode", "ring"), pp=saved.get("pp", 1), vpp=saved.get("vpp", 1),
                    zero_stage=saved["zero_stage"], precision=saved.get("precision"),
                    layers_per_stage=tuple(saved.get("layers_per_stage") or ()), v_shape=saved.get("v_shape", False),
-                   global_batch_size=train.get("global_batch_size", 0), micro_batch_size=train.get("micro_batch_size", 0))
+                   global_batch_size=train.get("global_batch_size", 0),
+                   micro_batch_size=train.get("micro_batch_size", 0))
 
     def to_meta(self) -> dict:
         """meta.json's `layout` (the batch lives in its `config`)."""

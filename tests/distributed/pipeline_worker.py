@@ -1,10 +1,11 @@
 """The pipeline (partition + schedule + executor + tied-embedding sync) against the serial model: loss and
 every gradient, for pp x vpp x schedule x flavour, with no DeepSpeed in the way.
 
-Run on 4 gloo ranks by tests/distributed/test_pipeline.py (ranks.on_ranks); each case builds its own ParallelContext (pp=4, or pp=2 with two
-replicas that run the same micro-batches). Every rank builds the serial model with the seed, keeps only its
-chunks, runs one step's schedule over m micro-batches and the tied sync, and compares each parameter it holds
-with the serial model's gradient of the same global name: relative error ||pipe - serial|| / ||serial||.
+Run on 4 gloo ranks by tests/distributed/test_pipeline.py (ranks.on_ranks); each case builds its own
+ParallelContext (pp=4, or pp=2 with two replicas that run the same micro-batches). Every rank builds the serial
+model with the seed, keeps only its chunks, runs one step's schedule over m micro-batches and the tied sync, and
+compares each parameter it holds with the serial model's gradient of the same global name: relative error
+||pipe - serial|| / ||serial||.
 
 Why TOL = 1e-6: the serial reference also backpropagates micro-batch by micro-batch (loss_i / m), so a block's
 gradient sums the same terms in the same order (measured exactly 0). The exception is the tied embedding:
@@ -34,7 +35,7 @@ from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule
 from megatron_lite.model.tied import tie_across_stages
-from tests.distributed.tp_worker import worse
+from tests.distributed.tp_worker import worse, worst_over_ranks
 
 FLAVOURS = {
     "gpt2-tied": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),
@@ -92,20 +93,18 @@ def results() -> list[dict]:
         batches = [torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=gen) for _ in range(m)]
         want_loss, want_grads = serial_step(cfg, batches)
         stats, params = pipeline_step(cfg, ctx, vpp, schedule, batches)
-        # (gradient error, loss error, difference from 1F1B, kept activations): the largest over all ranks
-        worst = torch.zeros(4, dtype=torch.float64)
+        worst = {"gradients": reduce(worse, (relative_error(p.grad, want_grads[name]) for name, p in params.items()),
+                                     0.0),
+                 "loss": 0.0 if stats.loss is None else abs(stats.loss.item() - want_loss) / want_loss,
+                 "vs_1f1b": 0.0, "kept": stats.peak_kept_bytes / (MICRO_BATCH * cfg.seq_len * cfg.d_model * 4)}
         if schedule == "zb_h1":  # the same layers on each rank as 1F1B
             _, params_1f1b = pipeline_step(cfg, ctx, vpp, "1f1b", batches)
-            worst[2] = reduce(worse, ((p.grad - params_1f1b[name].grad).abs().max().item()
-                                      for name, p in params.items()), 0.0)
-        worst[3] = stats.peak_kept_bytes / (MICRO_BATCH * cfg.seq_len * cfg.d_model * 4)
-        worst[0] = reduce(worse, (relative_error(p.grad, want_grads[name]) for name, p in params.items()), 0.0)
-        if stats.loss is not None:
-            worst[1] = abs(stats.loss.item() - want_loss) / want_loss
+            worst["vs_1f1b"] = reduce(worse, ((p.grad - params_1f1b[name].grad).abs().max().item()
+                                              for name, p in params.items()), 0.0)
+        worst = worst_over_ranks(worst)
         held = torch.tensor([float(len(params))])
-        dist.all_reduce(torch.nan_to_num(worst, nan=float("inf"), out=worst), op=dist.ReduceOp.MAX)
         dist.all_reduce(held)
-        out.append({"case": f"{flavour} pp={pp} vpp={vpp} {schedule} m={m}", "gradients": worst[0].item(),
-                    "loss": worst[1].item(), "vs_1f1b": worst[2].item() if schedule == "zb_h1" else None,
-                    "kept": worst[3].item(), "held": int(held.item()) // (world // pp), "serial": len(want_grads)})
+        out.append({"case": f"{flavour} pp={pp} vpp={vpp} {schedule} m={m}", **worst,
+                    "vs_1f1b": worst["vs_1f1b"] if schedule == "zb_h1" else None,
+                    "held": int(held.item()) // (world // pp), "serial": len(want_grads)})
     return out

@@ -3,10 +3,11 @@ names, call it with the spec's args and write its return value as JSON to <out>.
 
 import importlib
 import json
-import os
 import sys
 
 import torch.distributed as dist
+
+from megatron_lite.cli import exit_process
 
 
 def main(spec_path: str) -> None:
@@ -22,13 +23,11 @@ def main(spec_path: str) -> None:
 
 
 def leave_world() -> None:
-    """End a test worker's gloo world: a barrier (every rank is done), then exit without the interpreter's
-    teardown, in which gloo's worker threads can abort a finished rank (megatron_lite/cli.exit_process says how;
-    seen here once in a tp=4 world after its value was written). Nothing is left that the teardown protects."""
+    """End a test worker's gloo world: a barrier (every rank is done), then exit 0 through cli.exit_process,
+    without the interpreter's teardown, in which gloo's worker threads can abort a finished rank (seen here once
+    in a tp=4 world after its value was written)."""
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(lambda: 0)
 
 
 if __name__ == "__main__":

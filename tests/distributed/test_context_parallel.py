@@ -21,7 +21,7 @@ from tests.distributed.common import logged_records, max_abs_diff, max_relative_
 from tests.distributed import cp_worker
 from tests.distributed.launcher import run_configs
 from tests.distributed.ranks import on_ranks
-from tests.distributed.test_resume import STEPS8, assert_continues
+from tests.distributed.test_resume import STEPS8, assert_continues, straight_then_resumed
 
 TOL = 1e-4
 
@@ -100,13 +100,7 @@ def test_exact_resume_at_the_same_context_parallel_layout(tmp_path):
     """cp=2 ring with dropout 0.1, ZeRO-1: 8 straight steps vs a restart from step 4 in a fresh world, <= 1e-6
     (every mask is keyed by the step, the cp rank or the chunk pair: nothing else to restore)."""
     layout = ["parallel.cp=2", "zero.stage=1", "model.dropout=0.1"]
-    (straight,) = run_configs(2, [overrides(tmp_path, "straight", *STEPS8, *layout, "checkpoint.interval=4")],
-                              tmp_path)
-    (resumed,) = run_configs(2, [overrides(tmp_path, "resumed", *STEPS8, *layout,
-                                           f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                           f"checkpoint.resume={tmp_path}/straight/checkpoints/{step_name(4)}")],
-                             tmp_path)
-    assert len(resumed["losses"]) == 4
+    straight, resumed = straight_then_resumed(2, tmp_path, layout)
     assert_continues(resumed, straight, 1e-6, "cp=2 resume")
 
 
