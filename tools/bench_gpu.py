@@ -161,7 +161,8 @@ def profile(step, path: str, steps: int = 3) -> None:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in events) / 1e6 / steps
+    # Kernels, copies and memsets only: an op's row repeats the device time of the kernels it launched.
+    gpu = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 / steps
     with open(path, "w") as f:
         f.write(f"per step: wall {1e3 * wall:.1f} ms, GPU kernels {1e3 * gpu:.1f} ms ({100 * gpu / wall:.0f}% busy)\n")
         f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
