@@ -5,15 +5,36 @@ kernel module (kernels.swiglu) never shadows a dispatch function of the same nam
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 
 from kernels import BACKENDS
 
 
-def _op(module: str, name: str, backend: str):
-    assert backend in BACKENDS, backend
-    return getattr(importlib.import_module(f"kernels.{module}"), f"{name}_{'triton' if backend == 'triton' else 'reference'}")
+_RESOLVED: dict[tuple[str, str, str], Callable] = {}  # (module, name, backend) -> function, once imported
+
+
+def _op(module: str, name: str, backend: str) -> Callable:
+    """The function that runs op `name` of kernels/<module>.py on `backend`. After its first call a plain dict
+    lookup, which torch.compile traces through (it cannot trace importlib: every op would break the graph)."""
+    fn = _RESOLVED.get((module, name, backend))
+    if fn is None:
+        assert backend in BACKENDS, backend
+        suffix = "triton" if backend == "triton" else "reference"
+        fn = _RESOLVED[module, name, backend] = getattr(importlib.import_module(f"kernels.{module}"), f"{name}_{suffix}")
+    return fn
+
+
+_MODULES = {"rms_norm": "rmsnorm", "layer_norm": "layernorm", "apply_rope": "rope", "swiglu": "swiglu",
+            "bias_gelu": "gelu", "cross_entropy": "cross_entropy"}
+
+
+def preload(backends) -> None:
+    """Resolve every op for each of `backends` now (GPT.compile_blocks does, before anything is traced)."""
+    for backend in set(backends):
+        for name, module in _MODULES.items():
+            _op(module, name, backend)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:

@@ -223,7 +223,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, key: Key = (0, 0, 0)) -> torch.Tensor:
         """key: (seed, step, micro-batch), see parallel/random.py."""
-        key = (*key, self.layer)
+        return self.compute(x, rope, (*key, self.layer))
+
+    def compute(self, x: torch.Tensor, rope, key: Key) -> torch.Tensor:
+        """The block itself; key already holds the layer. What train.compile compiles (GPT.compile_blocks): it
+        reads no integer attribute of the block, which torch.compile would take as a constant, so every block
+        shares one compiled graph instead of compiling once per layer index."""
         x = x + self.drop(self.attn(self.norm1(x), rope, key), (*key, "attn_out"))
         return x + self.drop(self.mlp(self.norm2(x)), (*key, "mlp_out"))
 
@@ -396,12 +401,16 @@ class GPT(nn.Module):
                 module.kernel_backend = choice[module.kernel_op]
 
     def compile_blocks(self) -> None:
-        """train.compile: torch.compile each transformer block in place (nn.Module.compile keeps the module and
-        its parameter names, so checkpoints, DeepSpeed's hooks and recompute see the same model). Blocks with
-        dropout break the graph at the keyed mask draws and still run correctly."""
+        """train.compile: torch.compile each transformer block's body (Block.compute) in place: the module and
+        its parameter names stay, so checkpoints, DeepSpeed's hooks and recompute see the same model. The
+        blocks share one compiled graph: compiling whole blocks (nn.Module.compile) specialised on each block's
+        layer index, recompiled per layer and, past torch's recompile limit of 8, ran the remaining layers
+        uncompiled. The ops' functions are resolved first (kernels.ops.preload), so no import happens inside a
+        traced block. Blocks with dropout break the graph at the keyed mask draws and still run correctly."""
         weight_grad.run_eagerly_under_compile()
+        ops.preload({m.kernel_backend for m in self.modules() if hasattr(m, "kernel_backend")})
         for block in self.blocks.values():
-            block.compile()
+            block.compute = torch.compile(block.compute)
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... (global layer indices,

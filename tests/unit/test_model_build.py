@@ -137,10 +137,11 @@ def test_materialize_from_a_full_state_dict_takes_this_ranks_part(flavour):
 
 
 def test_compile_blocks_compiles_every_block_in_place():
-    """train.compile: each block is compiled as itself (names, parameters and hooks unchanged); the trajectory
-    against eager is in tests/distributed/test_compile.py."""
+    """train.compile: each block's body is compiled in place (names, parameters and hooks unchanged); one graph
+    for all blocks is checked in tests/unit/test_model.py, the trajectory against eager in
+    tests/distributed/test_compile.py."""
     model = GPT(ModelConfig(name="t", n_layers=3, n_heads=4, d_model=32, vocab_size=300, seq_len=16))
     names = [name for name, _ in model.named_parameters()]
     model.compile_blocks()
-    assert all(block._compiled_call_impl is not None for block in model.blocks.values())
+    assert all(getattr(block.compute, "_torchdynamo_orig_callable", None) is not None for block in model.blocks.values())
     assert [name for name, _ in model.named_parameters()] == names
