@@ -2,7 +2,6 @@
 which precision changes a resume refuses, when RNG streams continue, and how a data-stream change is named."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
