@@ -25,7 +25,8 @@ OPS = ("rmsnorm", "layernorm", "rope", "swiglu", "bias_gelu", "cross_entropy")
 # both in GPU time and per call (launch work included), on an H200 (tools/bench_kernels.py in
 # bench/results/gpu_h200.md; GPU time / per call: rmsnorm 8.99x / 1.62x, rope 9.83x / 1.84x, swiglu 3.22x / 3.19x,
 # cross_entropy 4.33x / 4.32x). Layernorm (1.23x / 0.32x) and bias_gelu (1.64x / 0.88x) are faster on the GPU but
-# slower per call, and gpt-1.3b with every op on Triton measured 1.5% slower, so `auto` keeps torch there.
+# slower per call, and gpt-1.3b with every op on Triton measured no faster (1.5% slower, inside the 6-10% spread
+# of its step times), so `auto` keeps torch there.
 TRITON_FASTER_ON_CUDA = frozenset({"rmsnorm", "rope", "swiglu", "cross_entropy"})
 
 
