@@ -214,7 +214,8 @@ class DistConfig:
 @dataclass
 class KernelsConfig:
     backend: str = "auto"
-    """auto (torch until the Triton kernels are verified on a GPU), triton (TRITON_INTERPRET=1 on CPU) or torch."""
+    """auto (Triton on CUDA for the ops measured faster there, kernels.TRITON_FASTER_ON_CUDA; torch elsewhere),
+    triton (every op; TRITON_INTERPRET=1 on CPU) or torch."""
 
 
 @dataclass

@@ -10,9 +10,10 @@ In one run, on the first CUDA device, with nothing fetched from the network:
 4. training throughput, bf16, one GPU, for gpt2-124m (b 8, s 1024) and gpt-1.3b (b 4, s 2048), each side by
    side in the same run (every case in a fresh process, timed after warm-up, median of the timed steps):
    - ours: the trainer's model and DeepSpeed engine as `train.py` builds them (zero.stage=0 by default: fp32
-     weights under bf16 autocast, as the baselines), with kernels.backend=torch, =triton, and train.compile=true;
-     ours-zero1: zero.stage=1, where DeepSpeed holds bf16 weights (fp32 master copy and gradient
-     accumulation) and the whole step runs in bf16, with no per-step weight casts; and ours-zero1-compile;
+     weights under bf16 autocast, as the baselines): ours-auto as configured by default (kernels.backend=auto),
+     ours-torch and ours-triton with every op on one backend, ours-compile with train.compile=true, ours-zero1
+     with zero.stage=1, where DeepSpeed holds bf16 weights (fp32 master copy and gradient accumulation) and
+     the whole step runs in bf16 with no per-step weight casts, and ours-zero1-compile;
    - hf: transformers' GPT2LMHeadModel, SDPA attention, fp32 weights under bf16 autocast, torch AdamW (fused);
    - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
      autocast, fused AdamW), torch.compile'd: the loop users compare with.
@@ -42,8 +43,10 @@ MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names
     "gpt2-124m": (8, 1024),
     "gpt-1.3b": (4, 2048),
 }
-# ours-<parts>: torch or triton kernels, compile (train.compile=true), zero1 (zero.stage=1), in any combination
-SIDES = ("ours-torch", "ours-triton", "ours-compile", "ours-zero1", "ours-zero1-compile", "hf", "compiled")
+# ours-<parts>: auto (the default), torch or triton kernels, compile (train.compile=true), zero1 (zero.stage=1), in
+# any combination; ours-auto is the trainer as `train.py` runs it by default.
+SIDES = ("ours-auto", "ours-torch", "ours-triton", "ours-compile", "ours-zero1", "ours-zero1-compile", "hf",
+         "compiled")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -95,7 +98,8 @@ def _model_cfg(preset: str, seq: int):
 
 def _ours(preset: str, micro: int, seq: int, side: str):
     parts = set(side.split("-")[1:])
-    assert parts <= {"torch", "triton", "compile", "zero1"}, f"unknown side {side}"
+    assert parts <= {"auto", "torch", "triton", "compile", "zero1"}, f"unknown side {side}"
+    kernels = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
     from omegaconf import OmegaConf
 
     from kernels import resolve_backend
@@ -106,7 +110,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
 
     overrides = [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro}",
                  f"train.global_batch_size={micro}", "train.precision=bf16", "logging.wandb.mode=disabled",
-                 f"kernels.backend={'triton' if 'triton' in parts else 'torch'}",
+                 f"kernels.backend={kernels}",
                  f"train.compile={'true' if 'compile' in parts else 'false'}",
                  f"zero.stage={1 if 'zero1' in parts else 0}"]
     cfg = OmegaConf.to_object(compose_config(overrides))
@@ -286,8 +290,8 @@ def markdown(record: dict) -> str:
                      f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['mem_peak_gib']:.1f} | "
                      f"{ratio('hf')} | {ratio('compiled')} |")
     lines += ["", "Sides: ours-* = our model + DeepSpeed engine (zero.stage=0: fp32 weights under bf16 autocast) with "
-              "kernels.backend=torch / triton / train.compile=true; ours-zero1 = zero.stage=1 (bf16 weights, fp32 "
-              "master weights and gradient accumulation in DeepSpeed), -compile with train.compile=true; hf = transformers GPT2LMHeadModel (SDPA) with fp32 "
+              "kernels.backend=auto (the default) unless named: -torch / -triton; -compile = train.compile=true; "
+              "-zero1 = zero.stage=1 (bf16 weights, fp32 master weights and gradient accumulation in DeepSpeed); hf = transformers GPT2LMHeadModel (SDPA) with fp32 "
               "weights under bf16 autocast and fused AdamW; compiled = a minimal nanoGPT-style GPT, torch.compile'd, "
               "fp32 weights under bf16 autocast, fused AdamW. Median step of the timed steps after warm-up, each side "
               "in a fresh process."]
