@@ -99,7 +99,7 @@ def _model_cfg(preset: str, seq: int):
 def _ours(preset: str, micro: int, seq: int, side: str):
     parts = set(side.split("-")[1:])
     assert parts <= {"auto", "torch", "triton", "compile", "zero1"}, f"unknown side {side}"
-    kernels = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
+    backend = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
     from omegaconf import OmegaConf
 
     from kernels import resolve_backend
@@ -110,7 +110,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
 
     overrides = [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro}",
                  f"train.global_batch_size={micro}", "train.precision=bf16", "logging.wandb.mode=disabled",
-                 f"kernels.backend={kernels}",
+                 f"kernels.backend={backend}",
                  f"train.compile={'true' if 'compile' in parts else 'false'}",
                  f"zero.stage={1 if 'zero1' in parts else 0}"]
     cfg = OmegaConf.to_object(compose_config(overrides))

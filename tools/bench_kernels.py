@@ -114,6 +114,15 @@ def gpu_timer(calls: int = 20, repeats: int = 3):
     return lambda fn: max(queued(fn) - flush_s, 0.0)
 
 
+def kernel_device(tool: str, quick: bool) -> tuple[torch.device, bool]:
+    """The device a kernel tool measures on and whether to run its quick shapes: a GPU, or on CPU only Triton's
+    interpreter, where the shapes are always the quick ones."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit(f"{tool}: no GPU; set TRITON_INTERPRET=1 and pass --quick to check the tool on CPU")
+    return device, quick or device.type == "cpu"
+
+
 def copy_bandwidth(device, measure) -> float:
     src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -147,10 +156,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("bench_kernels: no GPU; set TRITON_INTERPRET=1 and pass --quick to check the tool on CPU")
-    quick = args.quick or device.type == "cpu"
+    device, quick = kernel_device("bench_kernels", args.quick)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     shape = dict(tokens=64, hidden=96, ffn=160, heads=4, vocab=1000) if quick else \
         dict(tokens=8192, hidden=2048, ffn=8192, heads=16, vocab=50304)  # gpt-1.3b, 4 x 2048 tokens

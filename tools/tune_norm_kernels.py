@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import layernorm, rmsnorm, row_tiles  # noqa: E402
-from tools.bench_kernels import copy_bandwidth, gpu_timer, run_case, timer  # noqa: E402
+from tools.bench_kernels import copy_bandwidth, gpu_timer, kernel_device, run_case, timer  # noqa: E402
 from tools.bench_throughput import git_commit  # noqa: E402
 
 TILES = (2048, 4096, 8192, 16384)
@@ -69,10 +69,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter: checks every configuration)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("tune_norm_kernels: no GPU; set TRITON_INTERPRET=1 and pass --quick to check the tool on CPU")
-    quick = args.quick or device.type == "cpu"
+    device, quick = kernel_device("tune_norm_kernels", args.quick)
     n_rows, widths = (24, (200, 2000)) if quick else (8192, (768, 2048, 4096))
     dtype = torch.bfloat16
     if device.type == "cuda":
