@@ -134,21 +134,23 @@ def _cuda_tf32_allowed() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _probe_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
-    """Best FLOP/s of up to `repeats` n x n x n matmuls (2 n^3 FLOPs each) after one warm-up; stops early
-    once `budget_s` is spent (a loaded machine) with at least two timings taken."""
+    """Best FLOP/s of up to `repeats` n x n x n matmuls (2 n^3 FLOPs each) after one warm-up, within `budget_s`.
+    A warm-up that alone spends the budget is the one timing (bf16 on a CPU without bf16 units: ~4 s a 1024^3
+    matmul on one thread, so three calls cost every bf16 CPU run ~12 s); its one-time costs are small beside it."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     torch.mm(a, b)
     sync()
-    times = []
-    while len(times) < repeats and (len(times) < 2 or time.perf_counter() - start < budget_s):
+    times = [time.perf_counter() - start]
+    while len(times) <= repeats and time.perf_counter() - start < budget_s:
         t0 = time.perf_counter()
         torch.mm(a, b)
         sync()
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / min(times)
+    best = min(times[1:]) if len(times) > 1 else times[0]  # the warm-up counts only when it is all there is
+    return 2 * n**3 / best
 
 
 def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str]:
@@ -156,7 +158,8 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype) -> tuple[float, s
 
     CUDA: the datasheet table above, keyed by torch.cuda.get_device_name; a GPU not in it is probed
     (8192^3 matmuls). CPU: there is no meaningful datasheet figure, so a short probe measures it (best of up
-    to 5 fp32/bf16 1024^3 matmuls on torch's current threads, 0.1-0.4 s on 2 cores) and says so; a loaded
+    to 5 1024^3 matmuls on torch's current threads within 0.3 s, or the warm-up alone where one matmul takes
+    longer, as bf16 does on CPUs without bf16 units) and says so; a loaded
     machine measures low, which inflates MFU. Probes are cached per (device, dtype).
     """
     device = torch.device(device)

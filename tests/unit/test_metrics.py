@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -124,6 +125,21 @@ def test_cpu_peak_is_probed_once():
     assert value > 0 and source.startswith("probed")
     assert peak_flops(torch.device("cpu"), torch.float32) == (value, source)  # cached: the same measurement
 
+
+
+@pytest.mark.parametrize("call_s, calls", [(0.0, 6), (0.05, 1)])
+def test_probe_stops_at_its_budget(monkeypatch, call_s, calls):
+    """A fast matmul is timed 5 times after the warm-up; one slower than the whole budget (bf16 on a CPU without
+    bf16 units) is timed once, by its warm-up, instead of three times."""
+    made = []
+
+    def matmul(a, b):
+        made.append(a.shape)
+        time.sleep(call_s)
+
+    monkeypatch.setattr(torch, "mm", matmul)
+    flops = metrics._probe_flops.__wrapped__(torch.device("cpu"), torch.float32, 4, 5, 0.02)
+    assert len(made) == calls and flops > 0
 
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
