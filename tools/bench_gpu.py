@@ -18,7 +18,8 @@ In one run, on the first CUDA device, with nothing fetched from the network:
    - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
      autocast, fused AdamW), torch.compile'd: the loop users compare with.
    tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics over the datasheet bf16 peak), and the peak
-   allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included).
+   allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included);
+5. `tools/tune_norm_kernels.py`: the norms' launch shapes swept (kernels/row_tiles.py), best against default.
 Results: bench/results/gpu_<device>.json and .md, with device, date and commit. Without CUDA it says so in one
 line and exits 0.
 """
@@ -311,14 +312,43 @@ def markdown(record: dict) -> str:
                          f"{100 * r.get('gpu_fraction_of_copy_bw', nan):.0f}% | {r.get('gpu_speedup_vs_eager', nan):.2f}x | "
                          f"{r.get('gpu_speedup_vs_compile', nan):.2f}x | {r['triton_ms']:.3f} | {r['eager_ms']:.3f} | "
                          f"{r['speedup_vs_eager']:.2f}x |")
+    tune = record.get("tune")
+    if tune:
+        default = tuple(tune["default"])
+        lines += ["", f"## Norm kernels' launch shapes ({tune['dtype']}, {tune['rows']} rows; tools/tune_norm_kernels.py)",
+                  "", f"Forward + backward in GPU time. Default: {default[0]} elements a tile, {default[1]} backward "
+                  "programs.", "",
+                  "| op | width | default (ms) | of copy bw | best tile | best bwd programs | best (ms) | of copy bw | gain |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for key in sorted({(r["op"], r["width"]) for r in tune["results"]}):
+            mine = [r for r in tune["results"] if (r["op"], r["width"]) == key]
+            now = next(r for r in mine if (r["tile_elements"], r["bwd_programs"]) == default)
+            best = min(mine, key=lambda r: r["fwd+bwd_ms"])
+            lines.append(f"| {key[0]} | {key[1]} | {now['fwd+bwd_ms']:.4f} | {100 * now['fwd+bwd_of_copy_bw']:.0f}% | "
+                         f"{best['tile_elements']} | {best['bwd_programs']} | {best['fwd+bwd_ms']:.4f} | "
+                         f"{100 * best['fwd+bwd_of_copy_bw']:.0f}% | {now['fwd+bwd_ms'] / best['fwd+bwd_ms']:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def run_tool(name: str, out_dir: str, quick: bool) -> dict | None:
+    """Run tools/<name>.py --out <json> in a fresh process, show its last lines, return what it wrote."""
+    path = os.path.join(out_dir, f"_{name}.json")
+    proc = subprocess.run([sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []),
+                          cwd=ROOT, capture_output=True, text=True)
+    print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:]), flush=True)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        found = json.load(f)
+    os.remove(path)
+    return found
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="short shapes and few steps (checks the tool)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput,tune")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
@@ -362,14 +392,7 @@ def main(argv=None) -> int:
     print(f"bench_gpu: tests {record['tests']['passed']} passed, {record['tests']['failed']} failed "
           f"({time.time() - t0:.0f} s)", flush=True)
     if "kernels" not in skip:
-        kjson = os.path.join(args.out_dir, "_kernels.json")
-        proc = subprocess.run([sys.executable, "tools/bench_kernels.py", "--out", kjson]
-                              + (["--quick"] if args.quick else []), cwd=ROOT, capture_output=True, text=True)
-        print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:]), flush=True)
-        if os.path.exists(kjson):
-            with open(kjson) as f:
-                record["kernels"] = json.load(f)
-            os.remove(kjson)
+        record["kernels"] = run_tool("bench_kernels", args.out_dir, args.quick)
         save()
     if "throughput" not in skip:
         for preset in args.models.split(","):
@@ -396,6 +419,8 @@ def main(argv=None) -> int:
                     r = {"model": preset, "side": side, "error": err}
                 record["throughput"].append(r)
                 save()
+    if "tune" not in skip:
+        record["tune"] = run_tool("tune_norm_kernels", args.out_dir, args.quick)
     save()
     print(markdown(record))
     print(f"bench_gpu: done in {time.time() - t0:.0f} s: {args.out_dir}/{stem}.json and .md")
