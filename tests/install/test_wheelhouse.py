@@ -69,7 +69,8 @@ def test_offline_install_from_a_wheelhouse(tmp_path):
     unreachable = "http://127.0.0.1:9"  # nothing listens there: any download fails at once
     env = dict(os.environ, PIP_NO_INDEX="1", http_proxy=unreachable, https_proxy=unreachable,
                HTTP_PROXY=unreachable, HTTPS_PROXY=unreachable, PIP_CONFIG_FILE=os.devnull)
-    env.pop("VIRTUAL_ENV", None)
+    for key in ("VIRTUAL_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # `make test ARGS=...` passes its ARGS down
+        env.pop(key, None)
     install = subprocess.run(["make", "install"], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
     check = subprocess.run([py, "-c", "import deepspeed, hydra, omegaconf, wandb, datasets, transformers, rich, "
