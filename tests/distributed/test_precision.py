@@ -9,11 +9,12 @@
    each other <= 1.4e-4 and 8.2e-4, from ZeRO-0 (fp32 weights under autocast) <= 5.8e-4 and 3.1e-3.
    Tolerances: 3e-3 on the loss (absolute), 1.5e-2 on the norm (relative); a gradient off by a factor (a wrong
    accumulation or DP scale) moves the norm by that factor.
-2. Accumulation (engine.py; docs/precision.md, "Mixed precision"): 512 micro-batches, every one the same sequence
-   (the data is a sequence repeated), so each adds the same 1/512 of the gradient. Summed in fp32 that is exact;
-   summed in bf16 the running sum stops growing once an addend falls under half its last bit (at ~256 addends) —
-   the norm comes out ~27% low (measured with DeepSpeed's bf16 accumulation, on ZeRO 0, 1, 2 and 3: 26.7%).
-   Measured with fp32 accumulation: <= 0.24% from the fp32 run on every stage. Tolerance 1%.
+2. Accumulation (engine.py; docs/precision.md, "Mixed precision"): 256 micro-batches, every one the same sequence
+   (the data is a sequence repeated), so each adds the same 1/256 of the gradient. Summed in fp32 that is exact;
+   summed in bf16 the running sum loses the addends' low bits as it grows. Measured (one layer, a 512-token
+   vocabulary): ZeRO 0-3 bf16 within 7.5e-4 of the fp32 run's gradient norm (ZeRO 1-3 hold bf16 weights);
+   with DeepSpeed told to accumulate in bf16 (data_types.grad_accum_dtype) ZeRO 1-3 are 1.57e-2 off.
+   Tolerance 3.5e-3, about 4.5x from each.
 """
 
 import json
@@ -80,17 +81,17 @@ def repeated_sequence_data(path, seq_len: int, vocab: int = 8192) -> str:
 
 
 def test_bf16_accumulates_gradients_in_fp32(tmp_path):
-    """256 micro-batches of one sequence, so every micro-batch adds the same gradient. Measured: ZeRO 0-3 bf16
-    within 2.3e-4 of fp32; with DeepSpeed told to accumulate in bf16 (grad_accum_dtype) ZeRO 1-3 are 1.7e-2 off.
-    The bound sits between, about 8x from each."""
-    data = repeated_sequence_data(tmp_path / "data", seq_len=16)
+    """256 micro-batches of one sequence, so every micro-batch adds the same gradient (module docstring, 2)."""
+    data = repeated_sequence_data(tmp_path / "data", seq_len=16, vocab=512)
+    # One layer and 512 tokens: the accumulation, not the depth or the head, is under test (bf16 matmuls on a CPU
+    # without bf16 units run at ~1 GFLOP/s, so the 8192-token head took most of this test's 76 s).
     many = ["train.steps=1", "train.global_batch_size=256", "train.micro_batch_size=1", f"data.path={data}",
-            "model.seq_len=16", "model.n_layers=1"]  # one layer: the accumulation, not the depth, is under test
+            "model.seq_len=16", "model.n_layers=1", "model.vocab_size=512"]
     runs = [overrides(tmp_path, "fp32", *many)] + [overrides(tmp_path, f"bf16_z{s}", *many, BF16, f"zero.stage={s}")
                                                    for s in (0, 1, 2, 3)]
     fp32, *bf16 = run_configs(1, runs, tmp_path)
     for stage, result in enumerate(bf16):
         off = max_relative_diff(result["grad_norms"], fp32["grad_norms"])
-        assert off <= 2e-3, (f"ZeRO-{stage} bf16: the norm of 256 accumulated micro-batch gradients is {off:.2%} off "
-                             f"the fp32 run's ({result['grad_norms']} vs {fp32['grad_norms']}); are gradients "
-                             "accumulated in bf16?")
+        assert off <= 3.5e-3, (f"ZeRO-{stage} bf16: the norm of 256 accumulated micro-batch gradients is {off:.2%} off "
+                               f"the fp32 run's ({result['grad_norms']} vs {fp32['grad_norms']}); are gradients "
+                               "accumulated in bf16?")
