@@ -238,7 +238,7 @@ def run_pytest(out_dir: str, quick: bool) -> dict:
         [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")] + \
         ["tests/unit/test_ring_blocks.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", xml,
-           "tests/gpu", *units, "-k", "cuda or test_triton_model"]
+           "tests/gpu", *units, "-k", "cuda or gpu"]  # gpu: all of tests/gpu
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
     print(tail)

@@ -44,3 +44,33 @@ def test_triton_model_matches_torch_model(flavour, dtype):
     for name, p in reference.named_parameters():
         error = relative_error(fused_params[name].grad, p.grad)
         assert error <= TOL[dtype], f"{name}: relative gradient error {error:.2e} (bf16 ulp 7.8e-3)"
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_compiled_triton_blocks_share_one_graph(flavour):
+    """train.compile with every op on Triton, bf16 (ours-compile in bench-gpu, and kernels.backend=auto's
+    Triton ops inside compiled Llama blocks): the blocks share one graph with the Triton kernels in it, no graph
+    break, and loss and every gradient follow the eager Triton model. On CPU this cannot run: dynamo traces
+    into Triton's interpreter instead of taking the kernel as one op."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    eager = GPT(ModelConfig(**FLAVOURS[flavour])).to(DEVICE, torch.bfloat16)
+    eager.set_kernels("triton")
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.compile_blocks()
+    tokens = torch.randint(0, 5003, (4, 257), device=DEVICE)
+    losses = []
+    for model in (eager, compiled):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.float())
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], \
+        (dict(counters["stats"]), dict(counters["graph_break"]))
+    assert relative_error(losses[1], losses[0]) <= TOL[torch.bfloat16] / 10, losses
+    compiled_params = dict(compiled.named_parameters())
+    for name, p in eager.named_parameters():
+        error = relative_error(compiled_params[name].grad, p.grad)
+        assert error <= TOL[torch.bfloat16], f"{name}: relative gradient error {error:.2e} (bf16 ulp 7.8e-3)"
