@@ -320,11 +320,10 @@ def markdown(record: dict) -> str:
                   "programs.", "",
                   "| op | width | default (ms) | of copy bw | best tile | best bwd programs | best (ms) | of copy bw | gain |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for key in sorted({(r["op"], r["width"]) for r in tune["results"]}):
-            mine = [r for r in tune["results"] if (r["op"], r["width"]) == key]
-            now = next(r for r in mine if (r["tile_elements"], r["bwd_programs"]) == default)
-            best = min(mine, key=lambda r: r["fwd+bwd_ms"])
-            lines.append(f"| {key[0]} | {key[1]} | {now['fwd+bwd_ms']:.4f} | {100 * now['fwd+bwd_of_copy_bw']:.0f}% | "
+        from tools.tune_norm_kernels import best_against_default
+
+        for op, width, now, best in best_against_default(tune["results"], default):
+            lines.append(f"| {op} | {width} | {now['fwd+bwd_ms']:.4f} | {100 * now['fwd+bwd_of_copy_bw']:.0f}% | "
                          f"{best['tile_elements']} | {best['bwd_programs']} | {best['fwd+bwd_ms']:.4f} | "
                          f"{100 * best['fwd+bwd_of_copy_bw']:.0f}% | {now['fwd+bwd_ms'] / best['fwd+bwd_ms']:.2f}x |")
     return "\n".join(lines) + "\n"

@@ -64,6 +64,17 @@ def configure(tile: int, programs: int) -> None:
     rmsnorm.MAX_BWD_PROGRAMS = layernorm.MAX_BWD_PROGRAMS = programs
 
 
+def best_against_default(rows: list[dict], default: tuple[int, int]) -> list[tuple[str, int, dict, dict]]:
+    """(op, width, the default configuration's row, the fastest row forward + backward) per op and width, in the
+    order the sweep ran them."""
+    found = []
+    for key in dict.fromkeys((r["op"], r["width"]) for r in rows):
+        mine = [r for r in rows if (r["op"], r["width"]) == key]
+        now = next(r for r in mine if (r["tile_elements"], r["bwd_programs"]) == tuple(default))
+        found.append((*key, now, min(mine, key=lambda r: r["fwd+bwd_ms"])))
+    return found
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter: checks every configuration)")
@@ -106,14 +117,10 @@ def main(argv=None) -> list[dict]:
                                         for p in phases) + f"  error {row['error']:.1e}", flush=True)
     finally:
         configure(*default)
-    for width in widths:
-        for name in ("rmsnorm", "layernorm"):
-            mine = [r for r in rows if r["op"] == name and r["width"] == width]
-            now = next(r for r in mine if (r["tile_elements"], r["bwd_programs"]) == default)
-            best = min(mine, key=lambda r: r["fwd+bwd_ms"])
-            print(f"best {name} N={width}: tile {best['tile_elements']}, bwd programs {best['bwd_programs']}: "
-                  f"fwd+bwd {best['fwd+bwd_ms']:.4f} ms against {now['fwd+bwd_ms']:.4f} ms now "
-                  f"(x{now['fwd+bwd_ms'] / best['fwd+bwd_ms']:.2f})")
+    for name, width, now, best in best_against_default(rows, default):
+        print(f"best {name} N={width}: tile {best['tile_elements']}, bwd programs {best['bwd_programs']}: "
+              f"fwd+bwd {best['fwd+bwd_ms']:.4f} ms against {now['fwd+bwd_ms']:.4f} ms now "
+              f"(x{now['fwd+bwd_ms'] / best['fwd+bwd_ms']:.2f})")
     worst = max(r["error"] for r in rows)
     print(f"largest relative error against the reference over every configuration: {worst:.1e}")
     if device.type == "cuda" and args.out:
