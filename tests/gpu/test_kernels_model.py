@@ -26,6 +26,21 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
+def assert_follows(model: GPT, reference: GPT, tol: float) -> None:
+    """One forward and backward of each on the same tokens: loss within tol / 10, every gradient within tol."""
+    tokens = torch.randint(0, 5003, (4, 257), device=DEVICE)
+    losses = []
+    for m in (reference, model):
+        loss = m(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.float())
+    assert relative_error(losses[1], losses[0]) <= tol / 10, losses
+    params = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        error = relative_error(params[name].grad, p.grad)
+        assert error <= tol, f"{name}: relative gradient error {error:.2e} (bf16 ulp 7.8e-3)"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_triton_model_matches_torch_model(flavour, dtype):
@@ -33,17 +48,7 @@ def test_triton_model_matches_torch_model(flavour, dtype):
     reference = GPT(ModelConfig(**FLAVOURS[flavour])).to(DEVICE, dtype)
     fused = copy.deepcopy(reference)
     fused.set_kernels("triton")
-    tokens = torch.randint(0, 5003, (4, 257), device=DEVICE)
-    losses = []
-    for model in (reference, fused):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(loss.float())
-    assert relative_error(losses[1], losses[0]) <= TOL[dtype] / 10, losses
-    fused_params = dict(fused.named_parameters())
-    for name, p in reference.named_parameters():
-        error = relative_error(fused_params[name].grad, p.grad)
-        assert error <= TOL[dtype], f"{name}: relative gradient error {error:.2e} (bf16 ulp 7.8e-3)"
+    assert_follows(fused, reference, TOL[dtype])
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -61,16 +66,6 @@ def test_compiled_triton_blocks_share_one_graph(flavour):
     torch._dynamo.reset()
     counters.clear()
     compiled.compile_blocks()
-    tokens = torch.randint(0, 5003, (4, 257), device=DEVICE)
-    losses = []
-    for model in (eager, compiled):
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(loss.float())
+    assert_follows(compiled, eager, TOL[torch.bfloat16])
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], \
         (dict(counters["stats"]), dict(counters["graph_break"]))
-    assert relative_error(losses[1], losses[0]) <= TOL[torch.bfloat16] / 10, losses
-    compiled_params = dict(compiled.named_parameters())
-    for name, p in eager.named_parameters():
-        error = relative_error(compiled_params[name].grad, p.grad)
-        assert error <= TOL[torch.bfloat16], f"{name}: relative gradient error {error:.2e} (bf16 ulp 7.8e-3)"
