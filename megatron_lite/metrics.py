@@ -135,8 +135,8 @@ def _cuda_tf32_allowed() -> bool:
 @functools.lru_cache(maxsize=None)
 def _probe_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
     """Best FLOP/s of up to `repeats` n x n x n matmuls (2 n^3 FLOPs each) after one warm-up, within `budget_s`.
-    A warm-up that alone spends the budget is the one timing (bf16 on a CPU without bf16 units: ~4 s a 1024^3
-    matmul on one thread, so three calls cost every bf16 CPU run ~12 s); its one-time costs are small beside it."""
+    A warm-up that alone spends the budget is the one timing (bf16 on a CPU without bf16 units: 2.5-4 s a 1024^3
+    matmul on one thread; three calls cost a bf16 CPU run 7.7 s); its one-time costs are small beside it."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
