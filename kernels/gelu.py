@@ -105,7 +105,9 @@ class _BiasGeLU(torch.autograd.Function):
         n_rows, n_cols = x2d.shape
         has_bias = bias is not None
         assert not has_bias or bias.shape == (n_cols,), f"bias {tuple(bias.shape)} does not match x {tuple(x.shape)}"
-        out_dtype = torch.result_type(x, bias) if has_bias else x.dtype  # as x + bias would promote
+        # as x + bias would promote; promote_types, not result_type: torch.compile cannot put an op that returns
+        # a dtype into its graph, and result_type broke every compiled block's graph around this kernel
+        out_dtype = torch.promote_types(x.dtype, bias.dtype) if has_bias else x.dtype
         y = torch.empty(n_rows, n_cols, dtype=out_dtype, device=x.device)  # (n, N)
         b = bias.contiguous() if has_bias else x2d  # a dummy pointer when there is no bias; never read
         _forward_kernel[_grid(n_rows, n_cols)](x2d, b, y, n_rows, n_cols, x2d.stride(0), HAS_BIAS=has_bias,
