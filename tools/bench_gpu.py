@@ -1,6 +1,6 @@
 """One command measures a GPU: tests, kernels, and bf16 training throughput / MFU / memory against baselines.
 
-    python tools/bench_gpu.py                 # or: make bench-gpu   (about 10 minutes on one H100)
+    python tools/bench_gpu.py                 # or: make bench-gpu   (at most --budget-s, 570 s by default)
     python tools/bench_gpu.py --quick         # smaller shapes and fewer steps, to check the tool
 
 In one run, on the first CUDA device, with nothing fetched from the network:
@@ -20,6 +20,11 @@ In one run, on the first CUDA device, with nothing fetched from the network:
    tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics over the datasheet bf16 peak), and the peak
    allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included);
 5. `tools/tune_norm_kernels.py`: the norms' launch shapes swept (kernels/row_tiles.py), best against default.
+The run keeps to a wall-clock budget (`--budget-s`, 570 s: a GPU lease runs one command for at most 10 minutes):
+each part gets what is left of it, and what would start with too little left is listed as not reached. Hence
+the order: gpt-1.3b (the MFU target) before gpt2-124m, and within a model the default side and both baselines
+first. On one H100 the default run without the tuning measured about 620 s (tests 73 s; the ceilings, the kernels
+and gpt-1.3b's eight sides 362 s; gpt2-124m's eight about 180 s), so gpt2-124m's last sides give way first.
 Results: bench/results/gpu_<device>.json and .md, with device, date and commit. Without CUDA it says so in one
 line and exits 0.
 """
@@ -40,14 +45,17 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names
-    "gpt2-124m": (8, 1024),
+MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names; gpt-1.3b, the MFU target, first
     "gpt-1.3b": (4, 2048),
+    "gpt2-124m": (8, 1024),
 }
 # ours-<parts>: auto (the default), torch or triton kernels, compile (train.compile=true), zero1 (zero.stage=1), in
-# any combination; ours-auto is the trainer as `train.py` runs it by default.
-SIDES = ("ours-auto", "ours-torch", "ours-triton", "ours-compile", "ours-zero1", "ours-zero1-compile", "hf",
-         "compiled")
+# any combination; ours-auto is the trainer as `train.py` runs it by default. The baselines come right after it,
+# so that a run cut short by its time budget still has every ratio of what it measured.
+SIDES = ("ours-auto", "hf", "compiled", "ours-compile", "ours-torch", "ours-triton", "ours-zero1",
+         "ours-zero1-compile")
+BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
+MIN_CASE_S = 30  # a throughput case is not started with less than this left (start-up and warm-up alone)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,8 +237,9 @@ def ceilings() -> dict:
     return {"copy_GBps": round(2 * n / copy_ms / 1e6, 1), "matmul_bf16_tflops": round(2 * 8192**3 / mm_ms / 1e9, 1)}
 
 
-def run_pytest(out_dir: str, quick: bool) -> dict:
-    """tests/gpu and the kernel unit tests' CUDA cases; their counts from pytest's junit XML."""
+def run_pytest(out_dir: str, quick: bool, timeout: float) -> dict:
+    """tests/gpu and the kernel unit tests' CUDA cases; their counts, and each failure's first line, from pytest's
+    junit XML (the printed tail of a failing compile test is mostly dynamo's logging)."""
     import xml.etree.ElementTree as ET
 
     xml = os.path.join(out_dir, "gpu_pytest.xml")
@@ -238,10 +247,13 @@ def run_pytest(out_dir: str, quick: bool) -> dict:
         [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")] + \
         ["tests/unit/test_ring_blocks.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", xml,
-           "tests/gpu", *units, "-k", "cuda or gpu"]  # gpu: all of tests/gpu
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
-    print(tail)
+           "-p", "no:logging", "tests/gpu", *units, "-k", "cuda or gpu"]  # gpu: all of tests/gpu
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        output, exit_code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output, exit_code = _text(e.stdout) + _text(e.stderr), f"stopped after {timeout:.0f} s (the run's budget)"
+    print("\n".join(output.strip().splitlines()[-30:]))
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     failures = []
     if os.path.exists(xml):
@@ -249,13 +261,19 @@ def run_pytest(out_dir: str, quick: bool) -> dict:
             kinds = {child.tag for child in case}
             if "failure" in kinds or "error" in kinds:
                 counts["failed" if "failure" in kinds else "errors"] += 1
-                failures.append(f"{case.get('classname')}::{case.get('name')}")
+                why = next(child.get("message") or "" for child in case if child.tag in ("failure", "error"))
+                failures.append(f"{case.get('classname')}::{case.get('name')}: {why.splitlines()[0][:300] if why else ''}")
             elif "skipped" in kinds:
                 counts["skipped"] += 1
             else:
                 counts["passed"] += 1
         os.remove(xml)
-    return {**counts, "failures": failures, "exit_code": proc.returncode}
+    return {**counts, "failures": failures, "exit_code": exit_code}
+
+
+def _text(out) -> str:
+    """A TimeoutExpired's captured output: bytes, str or None."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
 
 def git_commit() -> str:
@@ -277,7 +295,9 @@ def markdown(record: dict) -> str:
              f"({record['peak_tflops']:.0f} TFLOP/s).", ""]
     t = record["tests"]
     lines += [f"Tests (tests/gpu + CUDA cases of the kernel unit tests): {t['passed']} passed, {t['failed']} failed, "
-              f"{t['errors']} errors, {t['skipped']} skipped." + (" Failing: " + ", ".join(t["failures"]) if t["failures"] else ""), ""]
+              f"{t['errors']} errors, {t['skipped']} skipped." + (" Failing: " + "; ".join(t["failures"]) if t["failures"] else ""), ""]
+    if record.get("not_reached"):
+        lines += [f"Not reached within the run's {record['budget_s']:.0f} s budget: {', '.join(record['not_reached'])}.", ""]
     lines += ["## Training throughput, bf16, one GPU", "",
               "| model | b x s | side | step (ms) | tokens/s | TFLOP/s | MFU | mem peak (GiB) | vs hf | vs compiled |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -329,18 +349,44 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_tool(name: str, out_dir: str, quick: bool) -> dict | None:
-    """Run tools/<name>.py --out <json> in a fresh process, show its last lines, return what it wrote."""
+def run_tool(name: str, out_dir: str, quick: bool, timeout: float) -> dict | None:
+    """Run tools/<name>.py --out <json> in a fresh process, show its last lines, return what it wrote (None when
+    it wrote nothing, or did not finish within `timeout` seconds)."""
     path = os.path.join(out_dir, f"_{name}.json")
-    proc = subprocess.run([sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []),
-                          cwd=ROOT, capture_output=True, text=True)
-    print("\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:]), flush=True)
+    try:
+        proc = subprocess.run([sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []),
+                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        output = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        output = _text(e.stdout) + _text(e.stderr) + f"\n{name}: stopped after {timeout:.0f} s (the run's budget)"
+    print("\n".join(output.strip().splitlines()[-40:]), flush=True)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         found = json.load(f)
     os.remove(path)
     return found
+
+
+def run_side(preset: str, micro: int, seq: int, side: str, quick: bool, profile_dir: str | None,
+             timeout: float) -> dict:
+    """One throughput case in a fresh process (its own CUDA context, allocator and compile caches): its result,
+    or {"error": ...} when it failed or outran `timeout` seconds."""
+    warmup, steps = (2, 3) if quick else (4 if "compile" in side else 3, 12)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{preset},{micro},{seq},{side},{warmup},{steps}"]
+    cmd += ["--profile", profile_dir] if profile_dir else []
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr = _text(e.stdout), _text(e.stderr) + f"\nstopped after {timeout:.0f} s (the run's budget)"
+    found = [line[5:] for line in stdout.splitlines() if line.startswith("CASE ")]
+    if found:
+        return json.loads(found[-1])
+    return {"model": preset, "side": side, "error": (stderr.strip().splitlines() or ["no output"])[-1],
+            "stderr_tail": stderr[-3000:]}
 
 
 def main(argv=None) -> int:
@@ -351,6 +397,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help="wall-clock budget: what would start after it is listed as not reached (default %(default)s)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # preset,micro,seq,side,warmup,steps
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -381,45 +429,44 @@ def main(argv=None) -> int:
             f.write(markdown(record))
 
     t0 = time.time()
+    left = lambda: args.budget_s - (time.time() - t0)  # noqa: E731 - seconds of the run's budget still unspent
+    record["budget_s"], record["not_reached"] = args.budget_s, []
     record["ceilings"] = ceilings()
     record["tests"], record["kernels"], record["throughput"] = None, None, []
     print(f"bench_gpu: {device}: copy {record['ceilings']['copy_GBps']:,.0f} GB/s, bf16 matmul "
           f"{record['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
     record["tests"] = ({"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": [], "exit_code": None}
-                       if "tests" in skip else run_pytest(args.out_dir, args.quick))
+                       if "tests" in skip else run_pytest(args.out_dir, args.quick, left()))
     save()
     print(f"bench_gpu: tests {record['tests']['passed']} passed, {record['tests']['failed']} failed "
           f"({time.time() - t0:.0f} s)", flush=True)
     if "kernels" not in skip:
-        record["kernels"] = run_tool("bench_kernels", args.out_dir, args.quick)
+        record["kernels"] = run_tool("bench_kernels", args.out_dir, args.quick, left())
         save()
     if "throughput" not in skip:
         for preset in args.models.split(","):
-            micro, seq = MODELS[preset]
-            if args.quick:
-                micro, seq = 2, 256
+            micro, seq = (2, 256) if args.quick else MODELS[preset]
             for side in args.sides.split(","):
-                warmup, steps = (2, 3) if args.quick else (4 if "compile" in side else 3, 12)
-                case = f"{preset},{micro},{seq},{side},{warmup},{steps}"
-                env = dict(os.environ, PYTHONUNBUFFERED="1")
-                env.pop("RANK", None)
-                extra = ["--profile", args.profile] if args.profile else []
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", case, *extra], cwd=ROOT,
-                                      env=env, capture_output=True, text=True)
-                found = [line[5:] for line in proc.stdout.splitlines() if line.startswith("CASE ")]
-                if found:
-                    r = json.loads(found[-1])
+                if left() < MIN_CASE_S:
+                    record["not_reached"].append(f"{preset} {side}")
+                    continue
+                r = run_side(preset, micro, seq, side, args.quick, args.profile, left())
+                if "error" in r:
+                    print(f"bench_gpu: {preset} {side} FAILED: {r['error']}\n{r.pop('stderr_tail')}", flush=True)
+                else:
                     print(f"bench_gpu: {preset} {side}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
                           f"MFU {100 * r['mfu']:.1f}%, mem {r['mem_peak_gib']:.1f} GiB ({time.time() - t0:.0f} s)",
                           flush=True)
-                else:
-                    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    print(f"bench_gpu: {preset} {side} FAILED: {err}\n" + proc.stderr[-3000:], flush=True)
-                    r = {"model": preset, "side": side, "error": err}
                 record["throughput"].append(r)
                 save()
     if "tune" not in skip:
-        record["tune"] = run_tool("tune_norm_kernels", args.out_dir, args.quick)
+        if left() < MIN_CASE_S:
+            record["not_reached"].append("tune")
+        else:
+            record["tune"] = run_tool("tune_norm_kernels", args.out_dir, args.quick, left())
+    if record["not_reached"]:
+        print(f"bench_gpu: not reached within the {args.budget_s:.0f} s budget: {', '.join(record['not_reached'])} "
+              "(--budget-s, --sides, --models or --skip)", flush=True)
     save()
     print(markdown(record))
     print(f"bench_gpu: done in {time.time() - t0:.0f} s: {args.out_dir}/{stem}.json and .md")
