@@ -82,7 +82,12 @@ def gpu_timer(calls: int = 20, repeats: int = 3):
     """Seconds of GPU time per call, the host kept ahead: the calls are queued behind a GPU sleep long enough
     for the host to enqueue all of them, so no launch overhead shows; each call follows an L2 flush (a 256 MiB
     fill), whose time is measured the same way and subtracted. This is what an op costs inside a step that
-    keeps the GPU busy (a large model); `timer` is what it costs when the host is the bottleneck."""
+    keeps the GPU busy (a large model); `timer` is what it costs when the host is the bottleneck.
+
+    Each timing checks that the host really was ahead: when the last call is queued, the GPU must still be
+    asleep. If it has woken (the sleep was too short: the host slower than one warm call suggested, or the
+    clock faster than when the sleep was calibrated), the GPU idled between calls, so the timing is dropped and
+    taken again with twice the sleep."""
     flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -98,16 +103,21 @@ def gpu_timer(calls: int = 20, repeats: int = 3):
         fn()
         torch.cuda.synchronize()
         host = time.perf_counter() - t0  # an upper bound of one call's enqueueing
+        sleep_s = min(0.5, 2 * calls * (host + 50e-6))
         times = []
-        for _ in range(repeats):
-            torch.cuda._sleep(int(cycles_per_s * min(0.5, 2 * calls * (host + 50e-6))))
+        while len(times) < repeats:
+            torch.cuda._sleep(int(cycles_per_s * sleep_s))
             start.record()
             for _ in range(calls):
                 flush.zero_()
                 fn()
+            ahead = not start.query()  # the GPU has not reached the first call yet: all were queued before it ran
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / calls)
+            if ahead or sleep_s > 1:  # an op that waits for the GPU itself can never be ahead
+                times.append(start.elapsed_time(end) / 1e3 / calls)
+            else:
+                sleep_s *= 2
         return sorted(times)[len(times) // 2]
 
     flush_s = queued(lambda: None)
