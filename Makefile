@@ -72,7 +72,7 @@ test-fast: data ops
 bench: data
 	$(PY) tools/bench_throughput.py $(ARGS)
 
-# One command measures a GPU (about 10 minutes on one H100): tests/gpu and the kernels' CUDA cases, the kernel
+# One command measures a GPU (within a 570 s budget, ARGS=--budget-s=N): tests/gpu and the kernels' CUDA cases, the kernel
 # benchmark, bf16 throughput / MFU / memory against HF and a compiled baseline; results in bench/results/.
 # Without CUDA it says so and exits 0.
 bench-gpu: install
