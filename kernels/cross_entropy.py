@@ -4,8 +4,8 @@ For logits z (N, V) and labels y, per token: loss = log sum_j exp(z_j) - z_y, co
 m = max_j z_j, S = sum_j exp(z_j - m), loss = log S + m - z_y. Its gradient is
 d loss / d z_j = softmax_j - [j == y] = exp(z_j - m) / S - [j == y].
 
-Forward: one kernel reads the logits once (online max and rescaled sum-exp over vocabulary blocks, the
-target logit picked up on the way) and writes three (N,) vectors: m, S, z_y. On a vocabulary-parallel shard
+Forward: one kernel reads the logits once (online max and rescaled sum-exp over vocabulary blocks, and one
+gathered load of the target logit per row) and writes three (N,) vectors: m, S, z_y. On a vocabulary-parallel shard
 (rank r holds ids [vocab_start, vocab_start + V/tp)) those are local; the ranks then combine them with three
 (N,)-sized all-reduces: M = max over ranks of m, S = sum of S_r * exp(m_r - M), z_y = sum (only the owner
 of y contributes). No rank ever holds full-vocabulary logits.
@@ -51,9 +51,12 @@ def _forward_kernel(logits_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, n_r
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: N * V may pass 2^31
     row_ok = rows < n_rows
     local_label = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - vocab_start  # (ROWS,), may be off-shard
+    # The label's logit: one gather per row, where this shard owns the label (a masked sum inside the loop would
+    # add a third cross-warp reduction to every vocabulary block); 0 where another shard owns it.
+    owned = row_ok & (local_label >= 0) & (local_label < n_valid)
+    target = tl.load(logits_ptr + rows * stride + local_label, mask=owned, other=0.0).to(tl.float32)  # (ROWS,)
     running_max = tl.full((ROWS,), float("-inf"), tl.float32)
     running_sum = tl.zeros((ROWS,), tl.float32)
-    target = tl.zeros((ROWS,), tl.float32)
     for start in range(0, n_valid, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         ok = row_ok[:, None] & (cols[None, :] < n_valid)  # (ROWS, BLOCK_V)
@@ -64,8 +67,6 @@ def _forward_kernel(logits_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, n_r
         # Rescale what was summed under the old max, add this block (masked columns are -inf: exp gives 0).
         running_sum = running_sum * tl.exp(running_max - safe_max) + tl.sum(tl.exp(z - safe_max[:, None]), axis=1)
         running_max = new_max
-        # `ok` too: a label owned by another shard may fall on a masked column of this block (z = -inf there).
-        target += tl.sum(tl.where(ok & (cols[None, :] == local_label[:, None]), z, 0.0), axis=1)
     tl.store(max_ptr + rows, running_max, mask=row_ok)
     tl.store(sumexp_ptr + rows, running_sum, mask=row_ok)
     tl.store(target_ptr + rows, target, mask=row_ok)
