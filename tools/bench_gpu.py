@@ -248,12 +248,8 @@ def run_pytest(out_dir: str, quick: bool, timeout: float) -> dict:
         ["tests/unit/test_ring_blocks.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", xml,
            "-p", "no:logging", "tests/gpu", *units, "-k", "cuda or gpu"]  # gpu: all of tests/gpu
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        output, exit_code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output, exit_code = _text(e.stdout) + _text(e.stderr), f"stopped after {timeout:.0f} s (the run's budget)"
-    print("\n".join(output.strip().splitlines()[-30:]))
+    stdout, stderr, exit_code = _run(cmd, timeout)
+    print("\n".join((stdout + stderr).strip().splitlines()[-30:]))
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     failures = []
     if os.path.exists(xml):
@@ -271,9 +267,15 @@ def run_pytest(out_dir: str, quick: bool, timeout: float) -> dict:
     return {**counts, "failures": failures, "exit_code": exit_code}
 
 
-def _text(out) -> str:
-    """A TimeoutExpired's captured output: bytes, str or None."""
-    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[str, str, int | str]:
+    """stdout, stderr and exit code of cmd, run from the checkout's root. A process that outruns `timeout`
+    seconds is killed; its exit code is then the sentence that says so."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # its output may be bytes, str or None
+        text = [out.decode(errors="replace") if isinstance(out, bytes) else out or "" for out in (e.stdout, e.stderr)]
+        return text[0], text[1], f"stopped after {timeout:.0f} s (the run's budget)"
 
 
 def git_commit() -> str:
@@ -353,13 +355,10 @@ def run_tool(name: str, out_dir: str, quick: bool, timeout: float) -> dict | Non
     """Run tools/<name>.py --out <json> in a fresh process, show its last lines, return what it wrote (None when
     it wrote nothing, or did not finish within `timeout` seconds)."""
     path = os.path.join(out_dir, f"_{name}.json")
-    try:
-        proc = subprocess.run([sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []),
-                              cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        output = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        output = _text(e.stdout) + _text(e.stderr) + f"\n{name}: stopped after {timeout:.0f} s (the run's budget)"
-    print("\n".join(output.strip().splitlines()[-40:]), flush=True)
+    stdout, stderr, code = _run([sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []),
+                                timeout)
+    stopped = f"\n{name}: {code}" if isinstance(code, str) else ""
+    print("\n".join((stdout + stderr + stopped).strip().splitlines()[-40:]), flush=True)
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -377,11 +376,8 @@ def run_side(preset: str, micro: int, seq: int, side: str, quick: bool, profile_
     env.pop("RANK", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{preset},{micro},{seq},{side},{warmup},{steps}"]
     cmd += ["--profile", profile_dir] if profile_dir else []
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        stdout, stderr = proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        stdout, stderr = _text(e.stdout), _text(e.stderr) + f"\nstopped after {timeout:.0f} s (the run's budget)"
+    stdout, stderr, code = _run(cmd, timeout, env)
+    stderr += f"\n{code}" if isinstance(code, str) else ""
     found = [line[5:] for line in stdout.splitlines() if line.startswith("CASE ")]
     if found:
         return json.loads(found[-1])
