@@ -8,7 +8,11 @@ import torch
 import triton
 
 MAX_BLOCK_N = 65536  # widest row held in one tile (64K fp32 registers spread over a program on a GPU)
-TILE_ELEMENTS = 8192  # rows per program = TILE_ELEMENTS / padded row width, between 1 and MAX_ROWS
+# Rows per program = TILE_ELEMENTS / padded row width, between 1 and MAX_ROWS. 4096 from tools/tune_norm_kernels.py
+# on an H100 (bench/results/tune_norm_h100.json): of the 16 shapes swept, it had the least forward + backward time
+# summed over both norms at widths 768, 2048 and 4096 (0.567 ms against 0.624 for the 8192 it replaced), and was
+# within 2% of the best shape at each width; the forward did not depend on it.
+TILE_ELEMENTS = 4096
 MAX_ROWS = 16
 MAX_BWD_PROGRAMS = 256  # backward programs; a fixed number keeps dw's summation order device-independent
 
@@ -24,4 +28,4 @@ def row_tile(n_cols: int, op: str) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
     assert block_n <= MAX_BLOCK_N, f"{op} holds a row in one tile: N={n_cols} > {MAX_BLOCK_N}"
     rows = max(1, min(MAX_ROWS, TILE_ELEMENTS // block_n))
-    return rows, block_n, min(16, max(4, rows * block_n // 1024))  # 8 warps for an 8192-element tile
+    return rows, block_n, min(16, max(4, rows * block_n // 1024))  # 4 warps up to a 4096-element tile
