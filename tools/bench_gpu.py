@@ -166,6 +166,14 @@ def _compiled(model_cfg, micro: int, seq: int):
     return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False)
 
 
+def device_seconds(events) -> float:
+    """GPU time of the kernels, copies and memsets among torch.profiler's averaged events. An op's row repeats
+    the device time of the kernels it launched, and so does a user annotation's GPU range
+    (Optimizer.step#AdamW.step spans the fused AdamW kernels): neither is counted."""
+    return sum(e.self_device_time_total for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / 1e6
+
+
 def profile(step, path: str, steps: int = 3) -> None:
     """torch.profiler over a few steps: the kernels by GPU time, and the host-side ops by CPU time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -177,8 +185,7 @@ def profile(step, path: str, steps: int = 3) -> None:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
-    # Kernels, copies and memsets only: an op's row repeats the device time of the kernels it launched.
-    gpu = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 / steps
+    gpu = device_seconds(events) / steps
     with open(path, "w") as f:
         f.write(f"per step: wall {1e3 * wall:.1f} ms, GPU kernels {1e3 * gpu:.1f} ms ({100 * gpu / wall:.0f}% busy)\n")
         f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
