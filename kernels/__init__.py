@@ -27,8 +27,8 @@ OPS = ("rmsnorm", "layernorm", "rope", "swiglu", "bias_gelu", "cross_entropy")
 # cross_entropy 4.33x / 4.32x). Layernorm (1.23x / 0.32x) and bias_gelu (1.64x / 0.88x) are faster on the GPU but
 # slower per call, and gpt-1.3b with every op on Triton measured no faster (1.5% slower, inside the 6-10% spread
 # of its step times), so `auto` keeps torch there. On an H100 (bench/results/gpu_h100_80gb_hbm3.md) this choice
-# was the fastest eager side at both GPT-2 models: gpt-1.3b 169.9 ms a step against 174.3 (all torch) and 175.7
-# (all Triton), gpt2-124m 36.5 against 37.3 and 46.1.
+# was the fastest eager side at both GPT-2 models, in two runs: gpt-1.3b 169.9 / 169.7 ms a step against 174.3 /
+# 174.6 (all torch) and 175.7 / 175.8 (all Triton), gpt2-124m 36.5 / 26.0 against 37.3 / 33.2 and 46.1 / 32.2.
 TRITON_FASTER_ON_CUDA = frozenset({"rmsnorm", "rope", "swiglu", "cross_entropy"})
 
 
