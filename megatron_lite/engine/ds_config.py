@@ -62,7 +62,7 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        # ZeRO-0: we clip (Engine._clip_plain). DeepSpeed's clip_grad_norm_ counts replicated parameters on
+        # ZeRO-0: we clip (Engine._step_clipped_unless_nonfinite). DeepSpeed's clip_grad_norm_ counts replicated parameters on
         # model-parallel rank 0 only, which under a pipeline drops every later stage's norms and biases, and it
         # counts a pipeline's tied embedding twice.
         "gradient_clipping": 0.0 if z.stage == 0 else t.grad_clip,
@@ -73,9 +73,11 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
                 "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                 # torch's AdamW on the device; DeepSpeed's CPU Adam when the optimizer is offloaded.
                 "torch_adam": not offload_opt,
-                # On CUDA, torch's fused kernel: one pass over parameters, gradients and both moments instead
-                # of foreach's several (gpt-1.3b on an H100: the step's optimizer time from 39 ms).
-                **({"fused": True} if torch.cuda.is_available() and not offload_opt else {}),
+                # torch's fused kernel: one pass over parameters, gradients and both moments instead of
+                # foreach's several (gpt-1.3b on an H100: the step's optimizer time from 39 ms). ZeRO-0 also
+                # clips and skips a non-finite step inside it (Engine._step_clipped_unless_nonfinite); torch
+                # has had it on CPU since 2.4.
+                **({"fused": True} if not offload_opt else {}),
             },
         },
         # bf16: see holds_bf16 (docs/precision.md, "Mixed precision").

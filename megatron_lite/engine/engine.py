@@ -120,35 +120,34 @@ class Engine:
             self.tied.sync(self.forward)
         # The loss, summed over cp, averaged over DP (and broadcast over the pipeline), and the gradient norm are the same
         # numbers on every rank, so each rank reaches the same skip decision without another collective.
-        loss = self.dp_mean(self._pipeline_loss(stats.loss))
+        loss = self._dp_sum(self._pipeline_loss(stats.loss))
         if self._zero_backward:
             # DeepSpeed's ZeRO and bf16 optimizers compute the norm inside step() and, when it is not finite,
             # clear the gradients and leave parameters and optimizer state untouched (their overflow check).
             # A non-finite loss always makes a non-finite gradient, so the norm decides.
             self.ds_engine.step()
             grad_norm = float(self.ds_engine.get_global_grad_norm())
-            skipped = not math.isfinite(grad_norm)
-        else:
-            if self.ctx.dp_size * self.ctx.cp_size > 1:  # one replica: the average is the gradient itself
-                # DP average (and cp sum) of .grad, as DeepSpeed's boundary would do. It flattens every
-                # gradient into one buffer, scales it and copies it back: 3 passes over them, 8 ms a step at
-                # gpt-1.3b on an H200 even with nothing to reduce.
-                self.ds_engine.buffered_allreduce_fallback()
-            grad_norm = self._reduced_grad_norm()
-            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-            if skipped:
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                self._clip_plain(grad_norm)
-                self.ds_engine.step()
-        return StepOutcome(loss, grad_norm, skipped)
+            return StepOutcome(loss.item() / self.ctx.dp_size, grad_norm, not math.isfinite(grad_norm))
+        if self.ctx.dp_size * self.ctx.cp_size > 1:  # one replica: the average is the gradient itself
+            # DP average (and cp sum) of .grad, as DeepSpeed's boundary would do. It flattens every
+            # gradient into one buffer, scales it and copies it back: 3 passes over them, 8 ms a step at
+            # gpt-1.3b on an H200 even with nothing to reduce.
+            self.ds_engine.buffered_allreduce_fallback()
+        grad_norm = self._reduced_grad_norm()
+        self._step_clipped_unless_nonfinite(loss, grad_norm)
+        loss, grad_norm = torch.stack([loss.double(), grad_norm]).tolist()  # the step's one wait for the device
+        loss /= self.ctx.dp_size
+        return StepOutcome(loss, grad_norm, not (math.isfinite(loss) and math.isfinite(grad_norm)))
 
     def dp_mean(self, value: torch.Tensor) -> float:
         """Mean over the data-parallel replicas of a per-replica scalar of which each cp rank holds a share
         (a loss: see GPT.forward): one sum over dp x cp, divided by dp."""
+        return self._dp_sum(value).item() / self.ctx.dp_size
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().clone()
         torch.distributed.all_reduce(value, group=self.ctx.dp_cp_group)
-        return value.item() / self.ctx.dp_size
+        return value
 
     def _new_backward(self) -> None:
         if self._zero_backward:  # a ZeRO optimizer behind the engine's forward
@@ -164,16 +163,27 @@ class Engine:
         torch.distributed.broadcast(out, self.ctx.pp_global_rank(head_rank), group=self.ctx.pp_group)
         return out
 
-    def _clip_plain(self, grad_norm: float) -> None:
-        """Scale every gradient by grad_clip / norm when the norm exceeds it (torch's and DeepSpeed's rule)."""
+    def _step_clipped_unless_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """ZeRO-0's optimizer step, decided on the device: torch's fused AdamW divides every gradient by
+        `grad_scale` and, where `found_inf` is 1, leaves parameters, moments and step count untouched (the
+        attributes torch's GradScaler sets). So the clip (scale by grad_clip / norm when the norm exceeds it, torch's
+        and DeepSpeed's rule) costs no pass over the gradients of its own, and the host does not wait for the norm
+        before the step: on a GPU the optimizer's launches queue behind the norm instead of after a round trip."""
+        optimizer = self.optimizer
+        assert all(g["fused"] for g in optimizer.param_groups), "ZeRO-0 steps with torch's fused AdamW (ds_config)"
+        finite = torch.isfinite(loss).logical_and(torch.isfinite(grad_norm))
+        optimizer.found_inf = finite.logical_not().float()
         clip = self.cfg.train.grad_clip
-        coef = clip / (grad_norm + 1e-6)
-        if clip > 0 and coef < 1:
-            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], coef)
+        optimizer.grad_scale = ((grad_norm + 1e-6) / clip).clamp(min=1.0).float() if clip > 0 else None
+        try:
+            self.ds_engine.step()  # also clears the gradients, skipped or not
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
 
-    def _reduced_grad_norm(self) -> float:
-        """DeepSpeed records the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 we compute the
-        same quantity ourselves, after the DP average and before DeepSpeed's clipping. Squares are summed
+    def _reduced_grad_norm(self) -> torch.Tensor:
+        """The global gradient norm, a float64 scalar on the device (nothing waits for it). DeepSpeed records
+        the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 we compute the same quantity ourselves,
+        after the DP average and before the clip. Squares are summed
         in float64 (as ZeRO does): a float32 norm of a 1M-element gradient on CPU is off by ~1e-5 relative.
         TP-replicated parameters (norm gains, row-parallel biases) count on TP rank 0 only, the last stage's
         tied embedding copy not at all (its twin on the first stage counts). Each norm reads the fp32 gradient
@@ -190,7 +200,7 @@ class Engine:
             squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
         if self.ctx.tp_size * self.ctx.pp_size > 1:
             torch.distributed.all_reduce(squares, group=self.ctx.mp_group)
-        return squares.sqrt().item()
+        return squares.sqrt()
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """A real NaN in the loss (tests/distributed/nan_worker.py) skips that step's update on every rank: the weights
-after the step equal those before it (checkpoints at every step, compared tensor by tensor, exactly), the next
-step trains again, and `skipped_steps` counts it. With only one DP replica's micro-batch poisoned, the others
-see the NaN through the gradient reduction and skip too (no rank updates alone, no hang). Consecutive skips up
-to train.max_skipped_in_row stop the run with exit code 3 and a one-line error, without saving."""
+after the step equal those before it, and so does the optimizer's state (checkpoints at every step, compared
+tensor by tensor, exactly), the next step trains again, and `skipped_steps` counts it. With only one DP
+replica's micro-batch poisoned, the others see the NaN through the gradient reduction and skip too (no rank
+updates alone, no hang). Consecutive skips up to train.max_skipped_in_row stop the run with exit code 3 and a
+one-line error, without saving."""
 
+import glob
 import json
 import os
 import subprocess
@@ -32,6 +34,28 @@ def weights(run_dir: str, step: int) -> dict:
     return load_model_state(os.path.join(run_dir, "checkpoints", step_name(step)))[1]
 
 
+def optimizer_tensors(run_dir: str, step: int) -> list[torch.Tensor]:
+    """Every tensor of every rank's optimizer state in a step's checkpoint: AdamW's moments and step counts
+    (ZeRO-0 keeps them in the model-states file, ZeRO 1-3 in one file per rank, with the fp32 master weights)."""
+    path, found = os.path.join(run_dir, "checkpoints", step_name(step)), []
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+
+    for name in sorted(glob.glob(os.path.join(path, "*optim_states.pt"))):
+        walk(torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"])
+    for name in sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt"))):
+        walk(torch.load(name, map_location="cpu", weights_only=False).get("optimizer"))
+    return found
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_nan_step_is_skipped_on_every_rank(stage, tmp_path):
     proc, run_dir = train_with_nan(tmp_path, f"z{stage}", "3", f"zero.stage={stage}", microbatch="1")
@@ -45,6 +69,11 @@ def test_nan_step_is_skipped_on_every_rank(stage, tmp_path):
     for name, value in before.items():
         assert torch.equal(skipped[name], value), f"{name} changed in the skipped step 3"
     assert any(not torch.equal(after[name], value) for name, value in before.items()), "step 4 did not train"
+    # AdamW's moments and step counts too (ZeRO-0 skips inside torch's fused AdamW, through its found_inf flag)
+    state_before, state_skipped, state_after = (optimizer_tensors(run_dir, step) for step in (2, 3, 4))
+    assert state_before and len(state_skipped) == len(state_before), (len(state_before), len(state_skipped))
+    assert all(torch.equal(a, b) for a, b in zip(state_skipped, state_before)), "optimizer state moved in step 3"
+    assert not all(torch.equal(a, b) for a, b in zip(state_after, state_before)), "step 4 left the state alone"
     assert "update skipped on every rank" in proc.stdout
 
 
