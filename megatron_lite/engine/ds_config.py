@@ -62,9 +62,9 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        # ZeRO-0: we clip (Engine._step_clipped_unless_nonfinite). DeepSpeed's clip_grad_norm_ counts replicated parameters on
-        # model-parallel rank 0 only, which under a pipeline drops every later stage's norms and biases, and it
-        # counts a pipeline's tied embedding twice.
+        # ZeRO-0: we clip (Engine._step_clipped_unless_nonfinite). DeepSpeed's clip_grad_norm_ counts replicated
+        # parameters on model-parallel rank 0 only, which under a pipeline drops every later stage's norms and
+        # biases, and it counts a pipeline's tied embedding twice.
         "gradient_clipping": 0.0 if z.stage == 0 else t.grad_clip,
         "zero_optimization": zero,
         "optimizer": {

@@ -118,8 +118,8 @@ class Engine:
         if self.tied is not None:
             self._new_backward()
             self.tied.sync(self.forward)
-        # The loss, summed over cp, averaged over DP (and broadcast over the pipeline), and the gradient norm are the same
-        # numbers on every rank, so each rank reaches the same skip decision without another collective.
+        # The loss, summed over cp, averaged over DP (and broadcast over the pipeline), and the gradient norm are the
+        # same numbers on every rank, so each rank reaches the same skip decision without another collective.
         loss = self._dp_sum(self._pipeline_loss(stats.loss))
         if self._zero_backward:
             # DeepSpeed's ZeRO and bf16 optimizers compute the norm inside step() and, when it is not finite,
@@ -145,6 +145,7 @@ class Engine:
         return self._dp_sum(value).item() / self.ctx.dp_size
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over dp x cp, on the device (nothing waits for it)."""
         value = value.detach().clone()
         torch.distributed.all_reduce(value, group=self.ctx.dp_cp_group)
         return value
