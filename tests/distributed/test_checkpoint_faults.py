@@ -31,14 +31,16 @@ def test_auto_resume_falls_back_past_truncated_and_missing_checkpoints(tmp_path)
     # 1. The newest checkpoint (the one `latest` names) has a truncated shard: resume from step 4.
     newest = os.path.join(ckpt, store.step_name(6))
     victim = max(glob.glob(f"{newest}/*.pt"), key=os.path.getsize)
-    os.truncate(victim, os.path.getsize(victim) // 2)
+    truncated = os.path.getsize(victim) // 2
+    os.truncate(victim, truncated)
     (second,) = run_configs(2, [overrides(tmp_path, "run", "train.steps=8", *LAYOUT, "checkpoint.resume=auto")],
                             tmp_path)
     assert steps_logged(run_dir) == [1, 2, 3, 4, 5, 6, 7, 8]  # the resumed run replaced its steps 5 and 6
     assert_continues(second, {k: v[:8] for k, v in straight.items() if k in ("losses", "grad_norms")}, 1e-6,
                      "resumed past a truncated step 6")
     (aside,) = glob.glob(f"{newest}.corrupt.*")  # the unsound checkpoint is kept, under another name
-    assert os.path.getsize(os.path.join(aside, os.path.basename(victim))) == os.path.getsize(victim) // 2
+    # as it was left: the rewritten step 6 holds the same values, but its pickle need not have the same size
+    assert os.path.getsize(os.path.join(aside, os.path.basename(victim))) == truncated
     assert store.verify(newest, checksums=True) is None  # step 6 rewritten whole by the resumed run
 
     # 2. `latest` names a directory that is gone: resume from the newest complete one before it (step 6).
