@@ -76,6 +76,8 @@ class Engine:
         # directly, gradients accumulate in .grad, and we average, measure and clip them before the step.
         self._zero_backward = self.ds_engine._support_torch_style_backward
         assert self._zero_backward == (cfg.zero.stage > 0), (cfg.zero.stage, type(self.optimizer))
+        assert self._zero_backward or all(g["fused"] for g in self.optimizer.param_groups), \
+            "ZeRO-0 steps with torch's fused AdamW (ds_config; Engine._step_clipped_unless_nonfinite)"
         forward = self.ds_engine if self._zero_backward else self.model
         if not self._zero_backward:
             self.ds_engine.enable_backward_allreduce = False
@@ -170,8 +172,7 @@ class Engine:
         attributes torch's GradScaler sets). So the clip (scale by grad_clip / norm when the norm exceeds it, torch's
         and DeepSpeed's rule) costs no pass over the gradients of its own, and the host does not wait for the norm
         before the step: on a GPU the optimizer's launches queue behind the norm instead of after a round trip."""
-        optimizer = self.optimizer
-        assert all(g["fused"] for g in optimizer.param_groups), "ZeRO-0 steps with torch's fused AdamW (ds_config)"
+        optimizer = self.optimizer  # torch's fused AdamW (checked in __init__)
         finite = torch.isfinite(loss).logical_and(torch.isfinite(grad_norm))
         optimizer.found_inf = finite.logical_not().float()
         clip = self.cfg.train.grad_clip

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
 from megatron_lite.checkpoint.weights import load_model_state
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
@@ -37,23 +38,12 @@ def weights(run_dir: str, step: int) -> dict:
 def optimizer_tensors(run_dir: str, step: int) -> list[torch.Tensor]:
     """Every tensor of every rank's optimizer state in a step's checkpoint: AdamW's moments and step counts
     (ZeRO-0 keeps them in the model-states file, ZeRO 1-3 in one file per rank, with the fp32 master weights)."""
-    path, found = os.path.join(run_dir, "checkpoints", step_name(step)), []
-
-    def walk(obj):
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                walk(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                walk(value)
-
-    for name in sorted(glob.glob(os.path.join(path, "*optim_states.pt"))):
-        walk(torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"])
-    for name in sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt"))):
-        walk(torch.load(name, map_location="cpu", weights_only=False).get("optimizer"))
-    return found
+    path = os.path.join(run_dir, "checkpoints", step_name(step))
+    states = [torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+              for name in sorted(glob.glob(os.path.join(path, "*optim_states.pt")))]
+    states += [torch.load(name, map_location="cpu", weights_only=False).get("optimizer")
+               for name in sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))]
+    return [leaf for leaf in tree_flatten(states)[0] if isinstance(leaf, torch.Tensor)]
 
 
 @pytest.mark.parametrize("stage", [0, 2])
