@@ -73,6 +73,27 @@ def pip(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pip", *args], env=env, capture_output=True, text=True)
 
 
+def source_only(specs: list[str], target: list[str], out: str) -> list[str]:
+    """Download the target's binary wheel of every spec into out; return the specs that have none.
+
+    One pip process for all of them (one per package took over a minute for 80), dropping each spec pip says it
+    cannot find and trying again; a failure pip does not pin on one spec is retried one spec at a time."""
+    todo, missing = list(specs), []
+    while todo:
+        got = pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", out, *todo)
+        if got.returncode == 0:
+            return missing
+        named = re.search(r"No matching distribution found for (\S+)", got.stderr)
+        if named is None or named.group(1) not in todo:
+            break
+        todo.remove(named.group(1))
+        missing.append(named.group(1))
+    for spec in todo:
+        if pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", out, spec).returncode != 0:
+            missing.append(spec)
+    return missing
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="wheelhouse")
@@ -91,11 +112,7 @@ def main(argv=None) -> int:
     for plat in args.platform or PLATFORMS:
         target += ["--platform", plat]
     built = []
-    for name, version in pins.items():
-        spec = f"{name}=={version}"
-        got = pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", args.out, spec)
-        if got.returncode == 0:
-            continue
+    for spec in source_only([f"{name}=={version}" for name, version in pins.items()], target, args.out):
         # No wheel for the target: a source-only package. Build it here; it must come out pure Python.
         env = dict(os.environ, DS_BUILD_OPS="0")
         got = pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", args.out, spec, env=env)
