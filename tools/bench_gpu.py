@@ -24,7 +24,11 @@ The run keeps to a wall-clock budget (`--budget-s`, 570 s: a GPU lease runs one 
 each part gets what is left of it, and what would start with too little left is listed as not reached. Hence
 the order: gpt-1.3b (the MFU target) before gpt2-124m, and within a model the default side and both baselines
 first. On one H100 the default run without the tuning measured about 620 s (tests 73 s; the ceilings, the kernels
-and gpt-1.3b's eight sides 362 s; gpt2-124m's eight about 180 s), so gpt2-124m's last sides give way first.
+and gpt-1.3b's eight sides 362 s; gpt2-124m's eight about 180 s), so gpt2-124m's last sides gave way first. Of a
+case's roughly 24 s there, about 17 s were neither warm-up nor timed steps: the process's start-up, its model
+and optimizer. So each case's process now starts one case ahead (CaseProcess): its imports and CUDA start-up
+overlap the case before it, whose timed steps wait until they are done. Each case records its start-up
+(`imports_s`, hidden this way), set-up (`setup_s`: config, model, optimizer) and warm-up (`warmup_s`).
 Results: bench/results/gpu_<device>.json and .md, with device, date and commit. Without CUDA it says so in one
 line and exits 0.
 """
@@ -33,11 +37,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import statistics
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -194,9 +201,10 @@ def profile(step, path: str, steps: int = 3) -> None:
 
 
 def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: int,
-             profile_dir: str | None = None) -> dict:
+             profile_dir: str | None = None, before_timing=lambda: None) -> dict:
     from megatron_lite.metrics import model_flops_per_token, peak_flops
 
+    t_start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(0)
     if side.startswith("ours"):
@@ -205,10 +213,12 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
         model_cfg = _model_cfg(preset, seq)
         step = _hf(model_cfg, micro, seq) if side == "hf" else _compiled(model_cfg, micro, seq)
     t0 = time.perf_counter()
+    setup_s = t0 - t_start  # config, model, optimizer
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - t0
+    before_timing()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
@@ -225,7 +235,7 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
     return {"model": preset, "side": side, "micro_batch": micro, "seq_len": seq, "step_s": round(step_s, 5),
             "step_s_spread": round((max(times) - min(times)) / step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
             "tflops": round(tflops / 1e12, 1), "mfu": round(tflops / peak, 4), "peak_source": source,
-            "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "warmup_s": round(warmup_s, 1),
+            "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
             "timed_steps": steps}
 
 
@@ -374,20 +384,118 @@ def run_tool(name: str, out_dir: str, quick: bool, timeout: float) -> dict | Non
     return found
 
 
+class CaseProcess:
+    """One throughput case's process (`--serve`), started a case ahead: it imports torch, DeepSpeed,
+    transformers and our packages and starts CUDA while the case before it builds its model and warms up, then
+    waits for its own case on stdin. Case i's timed steps do not start until case i+1's process has finished
+    that start-up, so no other process loads the host while a case is timed (the small model's step is
+    host-bound). Each process still runs one case: its own CUDA context, allocator and compile caches."""
+
+    def __init__(self, profile_dir: str | None = None, cmd: list[str] | None = None):
+        cmd = cmd or [sys.executable, os.path.abspath(__file__), "--serve"] + (["--profile", profile_dir] if profile_dir else [])
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("RANK", None)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()  # stdout, line by line; None once it is closed
+        self.stderr: list[str] = []
+        self.readers = [threading.Thread(target=self._read_stdout, daemon=True),
+                        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def send(self, line: str) -> bool:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, ValueError):  # it has exited (crashed in start-up)
+            return False
+
+    def expect(self, prefix: str, deadline: float) -> str | None:
+        """The first stdout line from now on that starts with prefix; None if the process ends first. Raises
+        TimeoutError at the deadline (time.time())."""
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                raise TimeoutError from None
+            if line is None:
+                self.lines.put(None)  # stays closed for a later call
+                return None
+            if line.startswith(prefix):
+                return line
+
+    def close(self) -> None:
+        """Kill it if it still runs; wait for it and for the last of its output."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for reader in self.readers:
+            reader.join(timeout=10)
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def run(self, spec: str, timeout: float, after: "CaseProcess | None") -> tuple[str | None, str]:
+        """Run case `spec`; hold its timed steps until `after` (the next case's process) has started up. Returns
+        the CASE line (None if it failed or was stopped) and, when there is none, why."""
+        deadline = time.time() + timeout
+        try:
+            if self.send(spec) and self.expect("WARM", deadline) is not None:
+                if after is not None:
+                    after.expect("READY", deadline)  # None when it died in start-up: its own case will say so
+                self.send("go")
+                line = self.expect("CASE ", deadline)
+                if line is not None:
+                    self.proc.wait(timeout=max(1.0, deadline - time.time()))  # gone before the next case is timed
+                    self.close()
+                    return line, ""
+            self.close()
+            return None, "".join(self.stderr)
+        except (TimeoutError, subprocess.TimeoutExpired):
+            self.close()
+            return None, "".join(self.stderr) + f"\nstopped after {timeout:.0f} s (the run's budget)"
+
+
+def serve(profile_dir: str | None) -> int:
+    """The `--serve` side of CaseProcess: start up, say READY, run the case read from stdin, with its timed steps
+    held until the parent says go."""
+    t0 = time.perf_counter()
+    for name in ("deepspeed", "transformers", "triton", "megatron_lite.engine", "megatron_lite.model.build"):
+        importlib.import_module(name)  # the start-up every side pays, done ahead of the case's turn
+    torch.cuda.init()
+    imports_s = time.perf_counter() - t0
+    print("READY", flush=True)
+    spec = sys.stdin.readline().strip()
+    if not spec:  # closed unused: the run ended before this case's turn
+        return 0
+    preset, micro, seq, side, warmup, steps = spec.split(",")
+
+    def hold() -> None:
+        print("WARM", flush=True)
+        sys.stdin.readline()
+
+    result = run_case(preset, int(micro), int(seq), side, int(warmup), int(steps), profile_dir, before_timing=hold)
+    print("CASE " + json.dumps({**result, "imports_s": round(imports_s, 1)}), flush=True)
+    return 0
+
+
 def run_side(preset: str, micro: int, seq: int, side: str, quick: bool, profile_dir: str | None,
-             timeout: float) -> dict:
-    """One throughput case in a fresh process (its own CUDA context, allocator and compile caches): its result,
-    or {"error": ...} when it failed or outran `timeout` seconds."""
+             timeout: float, process: CaseProcess | None = None, after: CaseProcess | None = None) -> dict:
+    """One throughput case in `process` (a fresh one if None; see CaseProcess): its result, or {"error": ...}
+    when it failed or outran `timeout` seconds."""
     warmup, steps = (2, 3) if quick else (4 if "compile" in side else 3, 12)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{preset},{micro},{seq},{side},{warmup},{steps}"]
-    cmd += ["--profile", profile_dir] if profile_dir else []
-    stdout, stderr, code = _run(cmd, timeout, env)
-    stderr += f"\n{code}" if isinstance(code, str) else ""
-    found = [line[5:] for line in stdout.splitlines() if line.startswith("CASE ")]
-    if found:
-        return json.loads(found[-1])
+    process = process or CaseProcess(profile_dir)
+    line, stderr = process.run(f"{preset},{micro},{seq},{side},{warmup},{steps}", timeout, after)
+    if line is not None:
+        return json.loads(line[5:])
     return {"model": preset, "side": side, "error": (stderr.strip().splitlines() or ["no output"])[-1],
             "stderr_tail": stderr[-3000:]}
 
@@ -402,16 +510,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
                     help="wall-clock budget: what would start after it is listed as not reached (default %(default)s)")
-    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # preset,micro,seq,side,warmup,steps
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a CaseProcess
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device on this machine; nothing measured (run it on a GPU node)")
         return 0
-    if args.case:
-        preset, micro, seq, side, warmup, steps = args.case.split(",")
-        print("CASE " + json.dumps(run_case(preset, int(micro), int(seq), side, int(warmup), int(steps),
-                                             args.profile)))
-        return 0
+    if args.serve:
+        return serve(args.profile)
 
     import triton
 
@@ -447,21 +552,26 @@ def main(argv=None) -> int:
         record["kernels"] = run_tool("bench_kernels", args.out_dir, args.quick, left())
         save()
     if "throughput" not in skip:
-        for preset in args.models.split(","):
+        cases = [(preset, side) for preset in args.models.split(",") for side in args.sides.split(",")]
+        after = CaseProcess(args.profile)  # every case's process starts during the case before it
+        for i, (preset, side) in enumerate(cases):
             micro, seq = (2, 256) if args.quick else MODELS[preset]
-            for side in args.sides.split(","):
-                if left() < MIN_CASE_S:
-                    record["not_reached"].append(f"{preset} {side}")
-                    continue
-                r = run_side(preset, micro, seq, side, args.quick, args.profile, left())
-                if "error" in r:
-                    print(f"bench_gpu: {preset} {side} FAILED: {r['error']}\n{r.pop('stderr_tail')}", flush=True)
-                else:
-                    print(f"bench_gpu: {preset} {side}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
-                          f"MFU {100 * r['mfu']:.1f}%, mem {r['mem_peak_gib']:.1f} GiB ({time.time() - t0:.0f} s)",
-                          flush=True)
-                record["throughput"].append(r)
-                save()
+            if left() < MIN_CASE_S:
+                record["not_reached"].append(f"{preset} {side}")
+                continue
+            process, after = after, (CaseProcess(args.profile) if i + 1 < len(cases) else None)
+            r = run_side(preset, micro, seq, side, args.quick, args.profile, left(), process, after)
+            if "error" in r:
+                print(f"bench_gpu: {preset} {side} FAILED: {r['error']}\n{r.pop('stderr_tail')}", flush=True)
+            else:
+                print(f"bench_gpu: {preset} {side}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
+                      f"MFU {100 * r['mfu']:.1f}%, mem {r['mem_peak_gib']:.1f} GiB; start-up {r['imports_s']:.0f} s "
+                      f"(ahead of its turn), set-up {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+            record["throughput"].append(r)
+            save()
+        if after is not None:  # started for a case the budget did not reach
+            after.close()
     if "tune" not in skip:
         if left() < MIN_CASE_S:
             record["not_reached"].append("tune")

@@ -1,10 +1,12 @@
-"""tools/bench_gpu.py's parts that run without a GPU: the markdown of every committed GPU record, and a case that
-outruns the run's time budget (killed, reported as an error naming the budget, not hanging the run), and the
-profile's sum of GPU time."""
+"""tools/bench_gpu.py's parts that run without a GPU: the markdown of every committed GPU record, a case that
+outruns the run's time budget (killed, reported as an error naming the budget, not hanging the run), the hand-over
+between a case's process and the next one's, and the profile's sum of GPU time."""
 
 import glob
 import json
 import os
+import sys
+import time
 
 import pytest
 
@@ -30,6 +32,51 @@ def test_a_case_past_the_budget_is_stopped_and_reported():
     r = bench_gpu.run_side("gpt2-124m", 2, 256, "ours-auto", quick=True, profile_dir=None, timeout=0.2)
     assert r["model"] == "gpt2-124m" and r["side"] == "ours-auto"
     assert r["error"].startswith("stopped after") and "budget" in r["error"], r
+
+
+# A stand-in for `bench_gpu.py --serve` (which needs CUDA): starts up for START_S seconds, then speaks its protocol
+# and reports when it was ready and when it was told to go, as wall-clock times.
+FAKE_SERVE = """
+import json, sys, time
+start_s, fail = float(sys.argv[1]), sys.argv[2]
+time.sleep(start_s)
+ready = time.time()
+print("some library's start-up chatter", flush=True)
+print("READY", flush=True)
+spec = sys.stdin.readline().strip()
+if fail == "crash":
+    sys.exit("case crashed: " + spec)
+if fail != "hang":
+    print("WARM", flush=True)
+sys.stdin.readline()
+print("CASE " + json.dumps({"spec": spec, "ready": ready, "go": time.time()}), flush=True)
+"""
+
+
+def fake(start_s: float, fail: str = "") -> bench_gpu.CaseProcess:
+    return bench_gpu.CaseProcess(cmd=[sys.executable, "-c", FAKE_SERVE, str(start_s), fail])
+
+
+def test_a_case_is_timed_only_once_the_next_case_has_started_up():
+    """Case i's timed steps wait for case i+1's process to finish its start-up (its imports), so that no
+    start-up loads the host while a case is timed; the start-ups still overlap the previous case's set-up."""
+    first, second = fake(0.0), fake(1.5)
+    t0 = time.time()
+    r1 = bench_gpu.run_side("gpt2-124m", 8, 1024, "ours-auto", False, None, 30, process=first, after=second)
+    r2 = bench_gpu.run_side("gpt2-124m", 8, 1024, "hf", False, None, 30, process=second, after=None)
+    assert r1["spec"] == "gpt2-124m,8,1024,ours-auto,3,12" and r2["spec"] == "gpt2-124m,8,1024,hf,3,12"
+    assert r1["go"] >= r2["ready"], "the first case was timed while the second was still starting up"
+    assert r2["ready"] - t0 < 2.5, "the second process did not start up during the first case"
+    assert first.proc.returncode == 0 and second.proc.returncode == 0
+
+
+def test_a_case_that_fails_or_hangs_is_reported_and_the_next_one_runs():
+    crashed = bench_gpu.run_side("gpt-1.3b", 4, 2048, "hf", False, None, 30, process=fake(0.0, "crash"))
+    assert crashed["error"] == "case crashed: gpt-1.3b,4,2048,hf,3,12", crashed
+    hung, after = fake(0.0, "hang"), fake(0.0)
+    stopped = bench_gpu.run_side("gpt-1.3b", 4, 2048, "compiled", False, None, 1.0, process=hung, after=after)
+    assert stopped["error"] == "stopped after 1 s (the run's budget)" and hung.proc.poll() is not None, stopped
+    assert bench_gpu.run_side("gpt-1.3b", 4, 2048, "ours-auto", False, None, 30, process=after)["go"]
 
 
 def test_profile_sums_each_kernel_once():
