@@ -153,9 +153,13 @@ def run_case(fn, inputs, backward: bool):
         out = fn(*inputs)
         if not incoming:
             incoming.append(torch.ones_like(out))
-        out.backward(incoming[0])
-        for i in tensors:  # set, not accumulate, the gradient next time (no extra read-modify-write)
-            i.grad = None
+        # The gradients are returned, not accumulated into .grad: in a model the op's inputs are activations,
+        # and a leaf's AccumulateGrad adds passes that are not the op's. Up to f4f137b it cloned cross entropy's
+        # gradient (the kernel writes it over the logits, so it aliases its input) and added rope's into the
+        # base of its transposed view (.grad = None on the view did not clear the base's). At copy bandwidth
+        # those passes take about 0.55 of the 1.44 ms cross entropy measured forward + backward on an H100, and
+        # 0.03 of rope's 0.085 ms.
+        torch.autograd.grad(out, tensors, incoming[0])
     return step
 
 
