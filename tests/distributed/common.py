@@ -10,6 +10,10 @@ relative to the reference (their size depends on the model and the step)."""
 import json
 import os
 
+import numpy as np
+
+from tests.distributed.launcher import ROOT
+
 # 8 sequences per step: accumulation 4 at dp=1, 2 at dp=2, 1 at dp=4 (same global batch every time).
 BASE = [
     "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
@@ -20,6 +24,22 @@ BASE = [
 
 def overrides(tmp_path, name: str, *extra: str) -> list[str]:
     return [*BASE, f"run.dir={tmp_path}/{name}", *extra]
+
+
+def folded_corpus(path, vocab: int = 512, tokens: int = 40_000) -> list[str]:
+    """Overrides that train on the start of the prepared corpus with every token folded into `vocab` ids (real text
+    statistics, a head of `vocab` columns): for tests whose subject is not the head, where the 8192-token head of
+    the tiny model dominates the time (bf16 matmuls on CPU, Triton's interpreter)."""
+    os.makedirs(path, exist_ok=True)
+    counts = {"train": tokens, "val": tokens // 10}
+    for split, n in counts.items():
+        ids = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", f"{split}.bin"), dtype=np.uint16, count=n)
+        assert len(ids) == n, f"data/shakespeare-8k/{split}.bin holds fewer than {n} tokens (make data)"
+        (ids % vocab).astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": vocab, "train_tokens": counts["train"],
+                   "val_tokens": counts["val"]}, f)
+    return [f"data.path={path}", f"model.vocab_size={vocab}"]
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:

@@ -26,27 +26,11 @@ import os
 import numpy as np
 import pytest
 
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
-from tests.distributed.launcher import ROOT, run_configs
+from tests.distributed.common import folded_corpus, max_abs_diff, max_relative_diff, overrides
+from tests.distributed.launcher import run_configs
 
 LOSS_TOL, NORM_TOL = 3e-3, 1.5e-2
 BF16 = "train.precision=bf16"
-SMALL_VOCAB = 512
-
-
-def folded_corpus(path, vocab: int = SMALL_VOCAB, tokens: int = 40_000) -> list[str]:
-    """Overrides that train on the start of the prepared corpus with every token folded into `vocab` ids (module
-    docstring, 1): real text statistics, a head of `vocab` columns."""
-    os.makedirs(path, exist_ok=True)
-    counts = {"train": tokens, "val": tokens // 10}
-    for split, n in counts.items():
-        ids = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", f"{split}.bin"), dtype=np.uint16, count=n)
-        assert len(ids) == n, f"data/shakespeare-8k/{split}.bin holds fewer than {n} tokens (make data)"
-        (ids % vocab).astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": vocab, "train_tokens": counts["train"],
-                   "val_tokens": counts["val"]}, f)
-    return [f"data.path={path}", f"model.vocab_size={vocab}"]
 
 
 def assert_close(result: dict, reference: dict, what: str, loss_tol: float, norm_tol: float) -> None:
