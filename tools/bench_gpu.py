@@ -392,7 +392,8 @@ class CaseProcess:
     host-bound). Each process still runs one case: its own CUDA context, allocator and compile caches."""
 
     def __init__(self, profile_dir: str | None = None, cmd: list[str] | None = None):
-        cmd = cmd or [sys.executable, os.path.abspath(__file__), "--serve"] + (["--profile", profile_dir] if profile_dir else [])
+        profile = ["--profile", profile_dir] if profile_dir else []
+        cmd = cmd or [sys.executable, os.path.abspath(__file__), "--serve", *profile]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("RANK", None)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -94,23 +94,45 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     assert os.path.isfile(os.path.join(ckpt, step_name(4), "meta.json"))  # rewritten cleanly this time
 
 
-@pytest.mark.parametrize("stage,dp_from,dp_to", [
-    (2, 4, 2), pytest.param(3, 4, 2, marks=pytest.mark.slow),
-    pytest.param(2, 2, 4, marks=pytest.mark.slow), pytest.param(3, 2, 4, marks=pytest.mark.slow)])
-def test_elastic_dp_resume(stage, dp_from, dp_to, tmp_path):
+def resume_at(tmp_path, name: str, layout: list[str], dp_to: int) -> list[str]:
+    """Overrides that resume run `name`'s step-4 checkpoint on `dp_to` ranks (into a checkpoint dir of its own)."""
+    return overrides(tmp_path, f"{name}_to{dp_to}", *STEPS8, *layout,
+                     f"checkpoint.dir={tmp_path}/{name}_to{dp_to}_ckpt",
+                     f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
+
+
+def test_elastic_dp_resume(tmp_path):
     """Save at one DP size, resume at another: loss and grad norm continue the uninterrupted run within 1e-4.
     The accumulation count changes with the DP size (1 at dp=4, 2 at dp=2): a wrong scale shows in the norms.
-    ZeRO-1 is not repeated here: its states are ZeRO-2's (one optimizer class, one universal conversion), and a
-    ZeRO-1 checkpoint is resumed on another layout in test_pipeline_checkpoint and test_context_parallel."""
-    name = f"z{stage}_{dp_from}"
-    (straight,) = run_configs(dp_from, [overrides(tmp_path, name, *STEPS8, "checkpoint.interval=4",
-                                                  f"zero.stage={stage}")], tmp_path)
-    (resized,) = run_configs(dp_to, [overrides(tmp_path, f"{name}_to{dp_to}", *STEPS8, f"zero.stage={stage}",
-                                               f"checkpoint.dir={tmp_path}/{name}_to{dp_to}_ckpt",
-                                               f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")],
-                             tmp_path)
+    ZeRO-2, 4 -> 2: the cheapest case, in `make test-fast`. ZeRO-1 is not repeated here: its states are ZeRO-2's (one
+    optimizer class, one universal conversion), and a ZeRO-1 checkpoint is resumed on another layout in
+    test_pipeline_checkpoint and test_context_parallel."""
+    (straight,) = run_configs(4, [overrides(tmp_path, "z2_4", *STEPS8, "checkpoint.interval=4", "zero.stage=2")],
+                              tmp_path)
+    (resized,) = run_configs(2, [resume_at(tmp_path, "z2_4", ["zero.stage=2"], 2)], tmp_path)
     assert len(resized["losses"]) == 4
-    assert_continues(resized, straight, 1e-4, f"zero.stage={stage}: DP {dp_from} -> {dp_to} resume")
+    assert_continues(resized, straight, 1e-4, "zero.stage=2: DP 4 -> 2 resume")
+
+
+@pytest.mark.slow
+def test_elastic_dp_resume_zero3_and_growing(tmp_path):
+    """As above for ZeRO-3 4 -> 2, and ZeRO-2 and ZeRO-3 2 -> 4: three worlds for the three cases (straight runs at 4;
+    straight runs at 2 with the 4 -> 2 resume; the 2 -> 4 resumes), since a world's start-up costs more than a
+    tiny run (4 ranks on 2 cores: ~13 s)."""
+    layouts = {f"z{stage}": [f"zero.stage={stage}"] for stage in (2, 3)}
+    (z3_at4,) = run_configs(4, [overrides(tmp_path, "z3_4", *STEPS8, "checkpoint.interval=4", *layouts["z3"])],
+                            tmp_path)
+    z2_at2, z3_at2, z3_4to2 = run_configs(2, [
+        *(overrides(tmp_path, f"{name}_2", *STEPS8, "checkpoint.interval=4", *layout)
+          for name, layout in layouts.items()),
+        resume_at(tmp_path, "z3_4", layouts["z3"], 2)], tmp_path)
+    z2_2to4, z3_2to4 = run_configs(4, [resume_at(tmp_path, f"{name}_2", layout, 4) for name, layout in layouts.items()],
+                                   tmp_path)
+    for resized, straight, what in ((z3_4to2, z3_at4, "zero.stage=3: DP 4 -> 2"),
+                                    (z2_2to4, z2_at2, "zero.stage=2: DP 2 -> 4"),
+                                    (z3_2to4, z3_at2, "zero.stage=3: DP 2 -> 4")):
+        assert len(resized["losses"]) == 4, what
+        assert_continues(resized, straight, 1e-4, f"{what} resume")
 
 
 @pytest.mark.parametrize("stage,tp_to,nproc_to", [(1, 1, 2), pytest.param(2, 4, 4, marks=pytest.mark.slow)])
