@@ -85,8 +85,7 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str
     """Memory and time of `layout` for `model` on `cluster`; `ranks`: predict_memory's result, if at hand."""
     ranks = ranks if ranks is not None else predict_memory(model, layout, precision, cuda)
     pp_layers = list(layout.pp_layers) if layout.pp_layers else None
-    params = [sum(p.numel for p in rank_params(model, layout.tp, layout.pp, layout.vpp, r, pp_layers,
-                                               v_shaped(layout.schedule)))
+    params = [rank_params(model, layout.tp, layout.pp, layout.vpp, r, pp_layers, v_shaped(layout.schedule)).numel
               for r in priced_ranks(model, layout)]
     step = StepModel(model, layout, cluster, precision, system).step(params)
     tokens = layout.global_batch_size * model.seq_len

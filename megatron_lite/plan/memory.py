@@ -84,7 +84,7 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     full_layer = A.layer_bytes(cfg, x, kept_mode)
     input_only = A.layer_bytes(cfg, x, "full")
     per_micro, loss_t, grad_t, grads = [], [], [], []
-    total_params = sum(p.numel for p in params) or 1
+    total_params = params.numel or 1
     for spec in chunks:
         rerun = sum(1 for i in spec.layers if i in recomputed)
         held = rerun * input_only + (len(spec.layers) - rerun) * full_layer

@@ -27,6 +27,24 @@ class Param:
     decay: bool  # a matrix (AdamW weight decay), else a vector
 
 
+class Params(tuple):
+    """A rank's parameters, a tuple of Param that hashes once. The planner's caches (states.zero_states,
+    chunk_param_count) take it as a key, and a tuple rehashes every item on each lookup: for the 1008B model
+    that was 111 million dataclass hashes, most of a layout search's time."""
+
+    def __hash__(self) -> int:
+        if "_hash" not in self.__dict__:
+            self._hash = tuple.__hash__(self)
+        return self._hash
+
+    @property
+    def numel(self) -> int:
+        """Their elements, summed once."""
+        if "_numel" not in self.__dict__:
+            self._numel = sum(p.numel for p in self)
+        return self._numel
+
+
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
     """Embedding rows: the vocabulary padded to a multiple of vocab_multiple * tp (model/gpt.py)."""
     multiple = cfg.vocab_multiple * tp
@@ -65,7 +83,7 @@ def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
 
 
 def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
-                pp_layers: list[int] | tuple[int, ...] | None = None, v_shape: bool = False) -> tuple[Param, ...]:
+                pp_layers: list[int] | tuple[int, ...] | None = None, v_shape: bool = False) -> Params:
     """The parameters pipeline rank `pp_rank` holds on each of its TP ranks (all hold the same sizes);
     v_shape: the chunks sit in a V (zbv)."""
     return _rank_params(model_key(cfg), tp, pp, vpp, pp_rank, tuple(pp_layers) if pp_layers is not None else None,
@@ -82,7 +100,7 @@ def model_key(cfg: ModelConfig) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def _rank_params(key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers: tuple[int, ...] | None,
-                 v_shape: bool) -> tuple[Param, ...]:
+                 v_shape: bool) -> Params:
     cfg = ModelConfig(*key)
     chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, list(pp_layers) if pp_layers is not None else None,
                          v_shape)
@@ -99,7 +117,7 @@ def _rank_params(key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers
         out += _norm("norm_f", cfg)
         if not cfg.tie_embeddings:
             out.append(Param("lm_head.weight", vocab_rows * cfg.d_model, True))
-    return tuple(out)
+    return Params(out)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -120,4 +138,4 @@ def chunk_param_count(params: tuple[Param, ...], spec) -> int:
 
 def total_params(cfg: ModelConfig) -> int:
     """Parameters of the whole serial model (the tied embedding once)."""
-    return sum(p.numel for p in rank_params(cfg, 1, 1, 1, 0))
+    return rank_params(cfg, 1, 1, 1, 0).numel
