@@ -40,8 +40,8 @@ import datetime
 import importlib
 import json
 import os
-import statistics
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -235,8 +235,8 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
     return {"model": preset, "side": side, "micro_batch": micro, "seq_len": seq, "step_s": round(step_s, 5),
             "step_s_spread": round((max(times) - min(times)) / step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
             "tflops": round(tflops / 1e12, 1), "mfu": round(tflops / peak, 4), "peak_source": source,
-            "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1),
-            "timed_steps": steps}
+            "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "setup_s": round(setup_s, 1),
+            "warmup_s": round(warmup_s, 1), "timed_steps": steps}
 
 
 # ---------------------------------------------------------------------------------------------------------
