@@ -78,9 +78,12 @@ def source_only(specs: list[str], target: list[str], out: str) -> list[str]:
 
     One pip process for all of them (one per package took over a minute for 80), dropping each spec pip says it
     cannot find and trying again; a failure pip does not pin on one spec is retried one spec at a time."""
+    def download(*some: str) -> subprocess.CompletedProcess:
+        return pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", out, *some)
+
     todo, missing = list(specs), []
     while todo:
-        got = pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", out, *todo)
+        got = download(*todo)
         if got.returncode == 0:
             return missing
         named = re.search(r"No matching distribution found for (\S+)", got.stderr)
@@ -89,7 +92,7 @@ def source_only(specs: list[str], target: list[str], out: str) -> list[str]:
         todo.remove(named.group(1))
         missing.append(named.group(1))
     for spec in todo:
-        if pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", out, spec).returncode != 0:
+        if download(spec).returncode != 0:
             missing.append(spec)
     return missing
 

@@ -37,12 +37,10 @@ class Params(tuple):
             self._hash = tuple.__hash__(self)
         return self._hash
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Their elements, summed once."""
-        if "_numel" not in self.__dict__:
-            self._numel = sum(p.numel for p in self)
-        return self._numel
+        return sum(p.numel for p in self)
 
 
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
