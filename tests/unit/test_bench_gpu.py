@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tools import bench_gpu
+from tools.case_process import CaseProcess
 
 RECORDS = sorted(glob.glob(os.path.join(bench_gpu.ROOT, "bench", "results", "gpu_*.json")))
 
@@ -53,8 +54,8 @@ print("CASE " + json.dumps({"spec": spec, "ready": ready, "go": time.time()}), f
 """
 
 
-def fake(start_s: float, fail: str = "") -> bench_gpu.CaseProcess:
-    return bench_gpu.CaseProcess(cmd=[sys.executable, "-c", FAKE_SERVE, str(start_s), fail])
+def fake(start_s: float, fail: str = "") -> CaseProcess:
+    return CaseProcess(cmd=[sys.executable, "-c", FAKE_SERVE, str(start_s), fail])
 
 
 def test_a_case_is_timed_only_once_the_next_case_has_started_up():
