@@ -85,6 +85,11 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
         **({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"} if bf16_params else {}),
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer would synchronize the device at every forward (a module pre-hook, so every
+        # micro-batch, even where the chunks bypass the engine) and at step(): the host could not queue a
+        # micro-batch's kernels while the previous one ran, and a pipeline's forward would wait on every stream's
+        # pending sends. Our loop times the step itself (training.py), with one wait at its end.
+        "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,
     }
     if load_universal:

@@ -26,20 +26,27 @@ def overrides(tmp_path, name: str, *extra: str) -> list[str]:
     return [*BASE, f"run.dir={tmp_path}/{name}", *extra]
 
 
+def write_prepared(path, splits: dict[str, np.ndarray], vocab: int) -> str:
+    """A prepared data directory (what tools/prepare_data.py writes) holding the given token ids per split."""
+    os.makedirs(path, exist_ok=True)
+    for split, ids in splits.items():
+        ids.astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": vocab, **{f"{s}_tokens": len(ids) for s, ids in splits.items()}},
+                  f)
+    return str(path)
+
+
 def folded_corpus(path, vocab: int = 512, tokens: int = 40_000) -> list[str]:
     """Overrides that train on the start of the prepared corpus with every token folded into `vocab` ids (real text
     statistics, a head of `vocab` columns): for tests whose subject is not the head, where the 8192-token head of
     the tiny model dominates the time (bf16 matmuls on CPU, Triton's interpreter)."""
-    os.makedirs(path, exist_ok=True)
-    counts = {"train": tokens, "val": tokens // 10}
-    for split, n in counts.items():
+    splits = {}
+    for split, n in {"train": tokens, "val": tokens // 10}.items():
         ids = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", f"{split}.bin"), dtype=np.uint16, count=n)
         assert len(ids) == n, f"data/shakespeare-8k/{split}.bin holds fewer than {n} tokens (make data)"
-        (ids % vocab).astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": vocab, "train_tokens": counts["train"],
-                   "val_tokens": counts["val"]}, f)
-    return [f"data.path={path}", f"model.vocab_size={vocab}"]
+        splits[split] = ids % vocab
+    return [f"data.path={write_prepared(path, splits, vocab)}", f"model.vocab_size={vocab}"]
 
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:

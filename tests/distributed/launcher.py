@@ -60,14 +60,15 @@ def rank_env(**extra: str) -> dict:
     return env
 
 
-def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900) -> list[dict]:
-    """Train each override list in one `nproc`-rank torchrun world; return rank 0's summaries."""
+def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900, worker: str = WORKER) -> list[dict]:
+    """Train each override list in one `nproc`-rank torchrun world; return rank 0's summaries (`worker`: a script
+    that takes worker.py's spec file)."""
     spec = os.path.join(tmp_path, f"spec_{nproc}_{len(os.listdir(tmp_path))}.json")
     out = spec.replace(".json", ".out.json")
     with open(spec, "w") as f:
         json.dump({"runs": runs, "out": out}, f)
     try:
-        proc = subprocess.run(torchrun_cmd(nproc, WORKER, spec), env=rank_env(), cwd=ROOT,
+        proc = subprocess.run(torchrun_cmd(nproc, worker, spec), env=rank_env(), cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout)
     finally:
         clean_shared_memory()

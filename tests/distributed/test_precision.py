@@ -20,13 +20,10 @@
    Tolerance 3.5e-3, about 4.5x from each.
 """
 
-import json
-import os
-
 import numpy as np
 import pytest
 
-from tests.distributed.common import folded_corpus, max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import folded_corpus, max_abs_diff, max_relative_diff, overrides, write_prepared
 from tests.distributed.launcher import run_configs
 
 LOSS_TOL, NORM_TOL = 3e-3, 1.5e-2
@@ -72,15 +69,8 @@ def test_bf16_tensor_and_sequence_parallel(tmp_path):
 
 def repeated_sequence_data(path, seq_len: int, vocab: int = 8192) -> str:
     """A prepared data directory whose every training window is the same sequence (period = seq_len)."""
-    os.makedirs(path, exist_ok=True)
-    seq = np.random.default_rng(0).integers(0, vocab - 192, seq_len).astype(np.uint16)
-    counts = {"train": 1100, "val": 4}
-    for split, reps in counts.items():
-        np.tile(seq, reps).tofile(os.path.join(path, f"{split}.bin"))
-    with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": vocab, "train_tokens": counts["train"] * seq_len,
-                   "val_tokens": counts["val"] * seq_len}, f)
-    return str(path)
+    seq = np.random.default_rng(0).integers(0, vocab - 192, seq_len)
+    return write_prepared(path, {"train": np.tile(seq, 1100), "val": np.tile(seq, 4)}, vocab)
 
 
 def test_bf16_accumulates_gradients_in_fp32(tmp_path):
