@@ -147,14 +147,14 @@ def rank_main(args) -> None:
 
 
 def run_case(case: str, model: str) -> list[dict]:
-    from megatron_lite.parallel.context import free_port
+    from megatron_lite.parallel.context import free_port, torchrun_env
 
     tp, pp, dp, _ = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp * dp}",
                f"--master-port={free_port()}", __file__, "--case", case, "--model", model, "--rank-out", out]
-        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT)
+        env = torchrun_env(ROOT)
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)

@@ -277,14 +277,14 @@ def fit_step(cp: int) -> dict:
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    from megatron_lite.parallel.context import free_port
+    from megatron_lite.parallel.context import free_port, torchrun_env
 
     # torchrun's scratch dirs go to a private TMPDIR and only this run's DeepSpeed buffers are removed, so a
     # shared machine's other jobs keep theirs.
     port, scratch = free_port(), tempfile.mkdtemp(prefix="bench_cp_")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
            __file__, *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT, TMPDIR=scratch)
+    env = torchrun_env(ROOT, TMPDIR=scratch)
     try:
         return subprocess.call(cmd, env=env, cwd=ROOT)
     finally:

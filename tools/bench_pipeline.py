@@ -333,7 +333,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=list(MS), help="micro-batches per step (default 4 8 16)")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:  # relaunch under torchrun
-        from megatron_lite.parallel.context import free_port
+        from megatron_lite.parallel.context import free_port, torchrun_env
 
         # Remove only this run's leftovers (tests/distributed/launcher.py clears every run's, which would pull
         # them from under other jobs on a shared machine): torchrun's scratch dirs go to a private TMPDIR,
@@ -341,7 +341,7 @@ def main(argv=None) -> None:
         port, scratch = free_port(), tempfile.mkdtemp(prefix="bench_pipeline_")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PP}", f"--master-port={port}",
                __file__, *(argv or sys.argv[1:])]
-        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT, TMPDIR=scratch)
+        env = torchrun_env(ROOT, TMPDIR=scratch)
         try:
             code = subprocess.call(cmd, env=env, cwd=ROOT)
         finally:

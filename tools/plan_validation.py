@@ -186,7 +186,7 @@ def worker(spec_path: str) -> None:
 
 def measure(nproc: int, runs: list[list[str]], scratch: str, env: dict | None = None) -> list[dict]:
     """Measure each override list (BASE added) in one nproc-rank torchrun world; every rank's records."""
-    from megatron_lite.parallel.context import free_port
+    from megatron_lite.parallel.context import free_port, torchrun_env
 
     spec = os.path.join(scratch, f"plan_{nproc}_{len(os.listdir(scratch))}.json")
     out = spec.replace(".json", ".out.json")
@@ -194,7 +194,7 @@ def measure(nproc: int, runs: list[list[str]], scratch: str, env: dict | None = 
         json.dump({"runs": [BASE + r for r in runs], "out": out}, f)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            __file__, "--worker", spec]
-    base_env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT)
+    base_env = torchrun_env(ROOT)
     proc = subprocess.run(cmd, env={**base_env, **(env or {})}, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")

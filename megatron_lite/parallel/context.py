@@ -33,6 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_env(root: str, **extra: str) -> dict[str, str]:
+    """The environment of a torchrun world that the tests and tools start from the checkout at `root`: one
+    OpenMP thread per rank, wandb off, and `root` first on PYTHONPATH, ahead of what is there (an offline GPU
+    node's packages installed with `pip --target` are found through it), then `extra`."""
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": path, **extra}
+
+
 def init_distributed(timeout_s: int = 600) -> None:
     """Start the default process group from torchrun/Slurm env vars, or as a one-rank group for `python train.py`."""
     if dist.is_initialized():

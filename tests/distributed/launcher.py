@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from megatron_lite.parallel.context import free_port
+from megatron_lite.parallel.context import free_port, torchrun_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "distributed", "worker.py")
@@ -52,8 +52,7 @@ def torchrun_cmd(nproc: int, script: str, *args: str, max_restarts: int = 0) -> 
 
 def rank_env(**extra: str) -> dict:
     os.makedirs(SCRATCH, mode=0o755, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", WANDB_SILENT="true",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, TMPDIR=SCRATCH)
+    env = torchrun_env(ROOT, WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false", TMPDIR=SCRATCH)
     # compiled kernels are cached where they would be without the TMPDIR above, for the next session
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     env.update(extra)

@@ -1,6 +1,7 @@
 """tools/bench_gpu.py's parts that run without a GPU: the markdown of every committed GPU record, a case that
 outruns the run's time budget (killed, reported as an error naming the budget, not hanging the run), the hand-over
-between a case's process and the next one's, and the profile's sum of GPU time."""
+between a case's process and the next one's, the profile's sum of GPU time, and the environment of the torchrun
+worlds it starts through tests/gpu."""
 
 import glob
 import json
@@ -96,3 +97,16 @@ def test_profile_sums_each_kernel_once():
     events = [event(cpu, 300.0), event(cuda, 200.0), event(cuda, 100.0),  # aten::mm, its two kernels
               event(cuda, 50.0, annotation=True), event(cuda, 50.0)]      # Optimizer.step, multi_tensor_apply
     assert bench_gpu.device_seconds(events) == pytest.approx(350e-6)
+
+
+def test_torchrun_worlds_keep_the_callers_python_path(monkeypatch):
+    """On an offline GPU node the packages may be installed with `pip --target` and found through PYTHONPATH: the
+    torchrun worlds that tests/gpu and the tools start must keep it (they used to replace it with the checkout)."""
+    from megatron_lite.parallel.context import torchrun_env
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/site", "/opt/more"]))
+    env = torchrun_env("/repo", TMPDIR="/scratch")
+    assert env["PYTHONPATH"].split(os.pathsep) == ["/repo", "/opt/site", "/opt/more"]
+    assert (env["TMPDIR"], env["OMP_NUM_THREADS"], env["WANDB_MODE"]) == ("/scratch", "1", "disabled")
+    monkeypatch.delenv("PYTHONPATH")
+    assert torchrun_env("/repo")["PYTHONPATH"] == "/repo"
