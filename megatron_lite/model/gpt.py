@@ -263,7 +263,7 @@ class LMHead(nn.Module):
         # columns are then dropped by view: the loss and the returned logits see the true vocabulary only.
         # Under a zero-bubble schedule the weight gradient is made in B: W would hold the logits' gradient,
         # (b, s, vocab), per micro-batch; held, it costs the weight's size (parallel/weight_grad.py).
-        logits = F.linear(h, weight_grad.held(weight))  # (b, s, padded vocab)
+        logits = weight_grad.head_linear(h, weight)  # (b, s, padded vocab)
         if labels is None:
             return logits[..., : self.vocab_size]
         return ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_size, self.kernel_backend).mean()

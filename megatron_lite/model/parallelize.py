@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kernels import ops
 from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
@@ -88,7 +87,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
-        logits = F.linear(h, weight_grad.held(weight))  # (b, s, V_padded/tp); gradient made in B, as LMHead's
+        logits = weight_grad.head_linear(h, weight)  # (b, s, V_padded/tp)
         valid = self.vocab_size - self.vocab_start  # ids at or past the true vocabulary are padding
         if labels is not None and self.kernel_backend == "triton":  # the kernel skips padded columns itself
             from kernels.cross_entropy import cross_entropy_triton  # imports Triton

@@ -84,10 +84,9 @@ class _SequenceGatherLinear(torch.autograd.Function):
         # back to the inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
         grad_x = grad_out @ weight.to(grad_out.dtype)
 
-        def weight_grads():
+        def weight_grads():  # in the parameters' dtype (weight_grad.linear_weight_grads)
             x = _all_gather(x_shard.to(grad_out.dtype), SEQ_DIM, ctx.group)  # (b, s, in), gathered again
-            grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
-            return grad_w, grad_out.flatten(0, -2).sum(0) if has_bias else None
+            return weight_grad.linear_weight_grads(grad_out, x, weight.dtype, has_bias)
 
         grad_x = _reduce_scatter(grad_x, SEQ_DIM, ctx.group)
         if ctx.store is not None:

@@ -4,8 +4,10 @@ A layer's backward computes two things: the gradient w.r.t. its input, which the
 waiting for, and the gradient w.r.t. its weights, which nobody needs before the optimizer step. Zero-bubble
 schedules (Qi et al. 2024) run the first as B and queue the second as W, to fill the pipeline's idle slots.
 
-How, here: the ops that touch a parameter go through this module's three functions. Outside a split step they
-are plain torch (`F.linear`, `F.embedding`, the parameter itself), so every other schedule runs unchanged.
+How, here: the ops that touch a parameter go through this module's functions. Outside a split step they are
+plain torch (`F.linear`, `F.embedding`, the parameter itself), so every other schedule runs unchanged; one
+exception in every schedule: under ZeRO-0's bf16 autocast a linear makes its weight gradients in fp32 from the
+bf16 operands (`linear_weight_grads`) instead of rounding them to bf16 first.
 Inside `split(store)` (the pipeline executor, for the whole of a zero-bubble step) they take stand-ins for
 their weights (fresh leaves holding the same values, as the tied embedding's, model/tied.py), so the step's
 graphs have no edge into any weight: a B, run under `store.collecting(key)` (the
@@ -189,8 +191,34 @@ def stand_in(weight: torch.Tensor | None) -> torch.Tensor | None:
     return weight.detach().requires_grad_() if weight is not None else None
 
 
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()  # torch >= 2.8: bf16 operands, fp32 product on CUDA
+
+
+def linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, param_dtype: torch.dtype,
+                        has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear's dW = g^T x (out, in) and db = sum of g (out,) over every token, in the parameters' dtype.
+
+    Under ZeRO-0's bf16 autocast the operands are bf16 and the parameters fp32. Autocast's own linear rounds
+    dW to bf16 and autograd then casts it to fp32: a pass over every weight gradient, and each micro-batch's
+    gradient rounded to bf16 before its fp32 accumulation. Here the matmul makes the fp32 product itself (on
+    CUDA: cuBLAS accumulates in fp32 and writes it; on a CPU: fp32 copies of the operands, whose products are
+    exact), and db is summed into fp32, as Megatron-LM's gradient-accumulation fusion does into its main_grad."""
+    g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
+    if g2.dtype == param_dtype:
+        dw = g2.t().mm(x2)
+    elif not g2.is_cuda:
+        dw = g2.t().to(param_dtype).mm(x2.to(param_dtype))
+    elif _MM_OUT_DTYPE and not torch.compiler.is_compiling():
+        dw = torch.mm(g2.t(), x2, out_dtype=param_dtype)
+    else:  # an older torch, or a graph being compiled (which fuses the cast): autocast's rounding
+        dw = g2.t().mm(x2).to(param_dtype)
+    return dw, g2.sum(0, dtype=param_dtype) if has_bias else None
+
+
 class _Linear(torch.autograd.Function):
-    """x W^T + b on stand-ins of `weights`; backward returns dx and queues (dW, db) against `weights`."""
+    """x W^T + b under autocast with parameters of another dtype, its weight gradients made in theirs
+    (linear_weight_grads). In a split step (store given): on stand-ins of `weights`, and backward returns dx
+    and queues (dW, db) against `weights`; otherwise on the parameters themselves, and backward returns all."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, store, weights):
@@ -204,12 +232,10 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w = ctx.saved_tensors
-        has_bias = ctx.weights[1] is not None
-
-        def weight_grads():  # autograd's own linear backward, term for term; cast to the weights' dtype by W
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
-            return g2.t().mm(x.reshape(-1, x.shape[-1])), g2.sum(0) if has_bias else None  # (out, in), (out,)
-
+        param_dtype, has_bias = ctx.weights[0].dtype, ctx.weights[1] is not None
+        weight_grads = lambda: linear_weight_grads(grad_out, x, param_dtype, has_bias)  # noqa: E731
+        if ctx.store is None:
+            return grad_out.matmul(w), *weight_grads(), None, None
         ctx.store.defer(ctx.weights, weight_grads)
         return grad_out.matmul(w), None, None, None, None
 
@@ -231,13 +257,32 @@ class _Embedding(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; in a split step its weight gradients wait for W."""
+    """F.linear; in a split step its weight gradients wait for W. Weight gradients in the parameters' dtype
+    (_linear_now)."""
     store = active_store()
     if store is None:
-        return F.linear(x, weight, bias)
+        return _linear_now(x, weight, bias)
     if _kept:
-        return F.linear(x, _after_b_stand_in(weight, store), _after_b_stand_in(bias, store))
+        return _linear_now(x, _after_b_stand_in(weight, store), _after_b_stand_in(bias, store))
     return _split_op(_Linear, x, stand_in(weight), stand_in(bias), store, (weight, bias))
+
+
+def head_linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's h W^T (no bias). In a split step its weight gradient is made in B and held for W (held()):
+    a W of its own would keep the logits' gradient, (b, s, vocab), for every micro-batch waiting."""
+    return _linear_now(h, held(weight), None)
+
+
+def _linear_now(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with its gradients made in its backward. Under autocast with parameters of another dtype
+    (ZeRO-0's bf16) the weight gradients are made in the parameters' dtype (linear_weight_grads), except inside
+    torch.compile, whose graphs fuse autocast's casts themselves (and whose tracing did not take CUDA's
+    fp32-output matmul: pytorch/pytorch#163275)."""
+    dtype = _autocast_dtype(x.device.type)
+    if dtype is not None and dtype != weight.dtype and weight.requires_grad and torch.is_grad_enabled() \
+            and not torch.compiler.is_compiling():
+        return _Linear.apply(x, weight, bias, None, (weight, bias))
+    return F.linear(x, weight, bias)
 
 
 def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
