@@ -8,7 +8,6 @@ Counted inside train_step only, per run, each with the source line that made it:
 Rank 0 adds them to each run's summary as {kind: {site: count}}.
 """
 
-import json
 import os
 import sys
 import traceback
@@ -16,13 +15,12 @@ import warnings
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 
 from megatron_lite.cli import exit_process, load
 from megatron_lite.engine import Engine
 from megatron_lite.training import run
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.distributed import worker
+from tests.distributed.launcher import ROOT
 COUNTS = {"device_syncs": Counter(), "host_reads": Counter(), "cuda_syncs": Counter()}
 _inside = [False]  # whether a train_step is running
 
@@ -72,22 +70,16 @@ def install() -> None:
     Engine.train_step = counted_train_step
 
 
+def counted_run(overrides: list[str]) -> dict:
+    """worker.py's run, with this run's counts added to its summary."""
+    for counter in COUNTS.values():
+        counter.clear()
+    return {**run(load(overrides)), "host_waits": {k: dict(v) for k, v in COUNTS.items()}}
+
+
 def main(spec_path: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
     install()
-    results = []
-    for overrides in spec["runs"]:
-        for counter in COUNTS.values():
-            counter.clear()
-        summary = run(load(overrides))
-        results.append({"overrides": overrides, **summary, "host_waits": {k: dict(v) for k, v in COUNTS.items()}})
-    if dist.get_rank() == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return worker.main(spec_path, counted_run)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 from tests.distributed.common import overrides
 from tests.distributed.launcher import ROOT, run_configs
 
+WORKER = os.path.join(ROOT, "tests", "distributed", "host_waits_worker.py")
 STEPS = 3
 RUNS = {  # 2 ranks, 8 sequences of 2 per step: 2 micro-batches per step at dp=2, 4 on a pp=2 pipeline
     "zero0": ["zero.stage=0"],
@@ -23,7 +24,7 @@ ONE_READ = {"megatron_lite/engine/engine.py": STEPS}  # ZeRO-0: the stacked loss
 
 def test_a_step_waits_for_the_device_once(tmp_path):
     runs = [overrides(tmp_path, name, f"train.steps={STEPS}", *extra) for name, extra in RUNS.items()]
-    results = run_configs(2, runs, tmp_path, worker=os.path.join(ROOT, "tests", "distributed", "host_waits_worker.py"))
+    results = run_configs(2, runs, tmp_path, worker=WORKER)
     for name, result in zip(RUNS, results):
         waits = result["host_waits"]
         assert len(result["losses"]) == STEPS, name

@@ -9,16 +9,13 @@ autocast) and ZeRO-1 (DeepSpeed's bf16 optimizer), each saving asynchronously (p
   resume onto other tokens moves them by 1.7e-2 and 14%; a gradient scaled by 2 moves the norms by 100%
   (tests/distributed/test_resume.py)."""
 
-import os
-
 import numpy as np
 
 from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import max_abs_diff, max_relative_diff, overrides, write_prepared
-from tests.distributed.launcher import ROOT, run_configs
+from tests.distributed.launcher import run_configs
+from tests.distributed.test_host_waits import WORKER
 from tests.distributed.test_resume import STEPS8
-
-WORKER = os.path.join(ROOT, "tests", "distributed", "host_waits_worker.py")
 
 
 def test_bf16_training_waits_once_a_step_and_resumes_from_an_async_checkpoint(tmp_path):
