@@ -97,7 +97,7 @@ def main(argv=None) -> None:
             print(f"{r['case']:<36} measured {r['measured_bytes'] / 2**20:7.3f} MiB   paper "
                   f"{r['paper_bytes'] / 2**20:7.3f} MiB   ratio {r['ratio']:.3f}")
         if args.out:
-            from tools.bench_throughput import git_commit
+            from tools.commit import git_commit
 
             with open(args.out, "w") as f:
                 json.dump({"bench": "activation_memory", "b": b, "s": s, "h": h, "a": a, "dropout": 0.1, "rows": rows,

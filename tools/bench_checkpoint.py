@@ -37,7 +37,7 @@ from megatron_lite.engine import Engine  # noqa: E402
 from megatron_lite.layout import Layout  # noqa: E402
 from megatron_lite.model.build import build_model  # noqa: E402
 from megatron_lite.parallel.context import ParallelContext, init_distributed  # noqa: E402
-from tools.bench_gpu import git_commit  # noqa: E402
+from tools.commit import git_commit  # noqa: E402
 
 
 def state_bytes(root: str) -> int:

@@ -164,7 +164,7 @@ def main(argv=None) -> None:
         for r in rows:
             print(f"{r['case']:<22}{r['measured_bus_bytes']:>14,}{r['analytic']:>14,}{r['ratio']:>8.3f}  {r['by_kind']}")
         if args.out:
-            from tools.bench_throughput import git_commit
+            from tools.commit import git_commit
             import datetime
             record = {"bench": "comm", "world": world, "model": "tiny", "precision": "fp32", "rows": rows,
                       "date": datetime.date.today().isoformat(), "commit": git_commit(), "device": "CPU (gloo)"}

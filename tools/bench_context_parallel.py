@@ -335,7 +335,7 @@ def main(argv=None) -> None:
             with open(out) as f:
                 parts[part] = json.load(f)
         shutil.rmtree(scratch, ignore_errors=True)
-        from tools.bench_throughput import git_commit
+        from tools.commit import git_commit
 
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout)
         record = {"bench": "context_parallel", "date": datetime.date.today().isoformat(), "commit": git_commit(),

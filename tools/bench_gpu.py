@@ -51,6 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tools.case_process import CaseProcess  # noqa: E402
+from tools.commit import git_commit  # noqa: E402
 
 MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names; gpt-1.3b, the MFU target, first
     "gpt-1.3b": (4, 2048),
@@ -294,14 +295,6 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[str, 
         text = [out.decode(errors="replace") if isinstance(out, bytes) else out or "" for out in (e.stdout, e.stderr)]
         return text[0], text[1], f"stopped after {timeout:.0f} s (the run's budget)"
 
-
-def git_commit() -> str:
-    if os.environ.get("MEGATRON_LITE_COMMIT"):  # a tree copied to a GPU node may carry a stale .git
-        return os.environ["MEGATRON_LITE_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:  # noqa: BLE001 - outside a git checkout (e.g. a copied tree on a GPU node)
-        return "unknown"
 
 
 def markdown(record: dict) -> str:

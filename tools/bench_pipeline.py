@@ -388,7 +388,7 @@ def main(argv=None) -> None:
                 name = r["schedule"] + (f"_vpp{r['vpp']}" if r["vpp"] > 1 else "")
                 plot_timeline(r, os.path.join(out_dir, f"pipeline_timeline_pp{PP}_m{PLOT_M}_{name}.png"))
         if args.out:
-            from tools.bench_throughput import git_commit
+            from tools.commit import git_commit
 
             dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout)
             record = {"bench": "pipeline", "date": datetime.date.today().isoformat(), "commit": git_commit(),

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -29,6 +28,7 @@ from megatron_lite.cli import compose_config  # noqa: E402
 from megatron_lite.engine import Engine  # noqa: E402
 from megatron_lite.model.gpt import GPT  # noqa: E402
 from megatron_lite.parallel.context import ParallelContext, init_distributed  # noqa: E402
+from tools.commit import git_commit  # noqa: E402
 
 
 def hf_gpt2(model_cfg, device, dtype):
@@ -64,12 +64,6 @@ def timed(fn, steps: int, device) -> list[float]:
         times.append(time.perf_counter() - t0)
     return times
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - outside a git checkout
-        return "unknown"
 
 
 def main(argv=None) -> dict:

@@ -20,7 +20,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from megatron_lite.plan.published import KORTHIKANTI_2022, NARAYANAN_2021, row
-    from tools.bench_throughput import git_commit
+    from tools.commit import git_commit
 
     lines = ["# Planner vs published Megatron-LM throughput (tools/plan_published.py)", "",
              f"- Date {datetime.date.today().isoformat()}, commit `{git_commit()}`; cluster.achievable = 0.65; "

@@ -276,7 +276,7 @@ def main(argv=None) -> None:
         for nproc in sorted({n for n, _ in LAYOUTS}):
             for result in measure(nproc, [o for n, o in LAYOUTS if n == nproc], scratch):
                 rows += compare(result, nproc)
-    from tools.bench_throughput import git_commit
+    from tools.commit import git_commit
 
     text = markdown(rows, bubble_rows(), git_commit())
     print(text)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import layernorm, rmsnorm, row_tiles  # noqa: E402
 from tools.bench_kernels import copy_bandwidth, gpu_timer, kernel_device, run_case, timer  # noqa: E402
-from tools.bench_throughput import git_commit  # noqa: E402
+from tools.commit import git_commit  # noqa: E402
 
 TILES = (2048, 4096, 8192, 16384)
 PROGRAMS = (256, 512, 1024, 2048)
