@@ -1,7 +1,7 @@
-"""tools/bench_gpu.py's parts that run without a GPU: the markdown of every committed GPU record, a case that
-outruns the run's time budget (killed, reported as an error naming the budget, not hanging the run), the hand-over
-between a case's process and the next one's, the profile's sum of GPU time, and the environment of the torchrun
-worlds it starts through tests/gpu."""
+"""tools/bench_gpu.py's parts that run without a GPU: the markdown of every committed GPU record (gpu_report.py),
+a case that outruns the run's time budget (killed, reported as an error naming the budget, not hanging the run),
+the hand-over between a case's process and the next one's, the profile's sum of GPU time, and the environment of
+the torchrun worlds it starts through tests/gpu."""
 
 import glob
 import json
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tools import bench_gpu
+from tools import bench_gpu, gpu_report
 from tools.case_process import CaseProcess
 
 RECORDS = sorted(glob.glob(os.path.join(bench_gpu.ROOT, "bench", "results", "gpu_*.json")))
@@ -21,7 +21,7 @@ RECORDS = sorted(glob.glob(os.path.join(bench_gpu.ROOT, "bench", "results", "gpu
 def test_every_committed_record_renders(path):
     with open(path) as f:
         record = json.load(f)
-    text = bench_gpu.markdown(record)
+    text = gpu_report.markdown(record)
     for r in record["throughput"]:  # one table row per case, measured or failed
         head = f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['side']} |" if "error" not in r \
             else f"| {r['model']} | | {r['side']} | failed"
