@@ -13,6 +13,7 @@ PipelineEngine (our pipeline runs chunks through this engine instead).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from megatron_lite.engine.repairs import (honour_explicit_zero3_dtype, reset_bac
 from megatron_lite.layout import Layout
 from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.model.tied import needs_tie
+from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import stage_owner
@@ -83,6 +85,8 @@ class Engine:
             self.ds_engine.enable_backward_allreduce = False
         autocast = resolve_precision(cfg) == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
         self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
+        # Under autocast a step casts each weight to bf16 once, for all its micro-batches (weight_grad.py)
+        self._weight_copies = weight_grad.one_copy_per_step if autocast else contextlib.nullcontext
         # Zero-bubble schedules run forwards and B's on the module itself: a B touches no parameter
         # (parallel/weight_grad.py), and ZeRO's backward epilogue fails on a backward that reduced nothing.
         # Their W's, which accumulate the gradients, go through the engine's forward as every backward above.
@@ -114,12 +118,14 @@ class Engine:
         self.set_lr(lr)
         zero_offload_accumulators(self.optimizer)
         split = self.executor.schedule_name in SPLIT_BACKWARD
-        stats = self.executor.run(self.split_forward if split else self.forward, micro_batches,
-                                  before_backward=self._new_backward, rng_keys=rng_keys, weight_forward=self.forward)
+        with self._weight_copies():
+            stats = self.executor.run(self.split_forward if split else self.forward, micro_batches,
+                                      before_backward=self._new_backward, rng_keys=rng_keys,
+                                      weight_forward=self.forward)
+            if self.tied is not None:
+                self._new_backward()
+                self.tied.sync(self.forward)
         self.last_stats = stats
-        if self.tied is not None:
-            self._new_backward()
-            self.tied.sync(self.forward)
         # The loss, summed over cp, averaged over DP (and broadcast over the pipeline), and the gradient norm are the
         # same numbers on every rank, so each rank reaches the same skip decision without another collective.
         loss = self._dp_sum(self._pipeline_loss(stats.loss))

@@ -71,7 +71,11 @@ class _SequenceGatherLinear(torch.autograd.Function):
         for (parallel/weight_grad.py); store None otherwise. after_b: a recomputed region's, handed over right
         after its B."""
         ctx.group, ctx.store, ctx.weights, ctx.has_bias = group, store, weights, bias is not None
-        ctx.after_b = after_b
+        ctx.after_b, ctx.param_dtype = after_b, weight.dtype
+        # Under bf16 autocast: the step's bf16 copies of the weights (weight_grad.weight_as), as autocast's
+        # own linear would cast them; the gathered input is cast by autocast. Otherwise the weights themselves.
+        dtype = weight_grad.autocast_dtype(x_shard.device.type)
+        weight, bias = weight_grad.weight_as(weight, dtype), weight_grad.weight_as(bias, dtype)
         ctx.save_for_backward(x_shard, weight)
         return F.linear(_all_gather(x_shard, SEQ_DIM, group), weight, bias)  # (b, s, out/tp)
 
@@ -79,14 +83,14 @@ class _SequenceGatherLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
         has_bias = ctx.has_bias
-        # Under bf16 autocast the forward multiplied in bf16 (grad_out's dtype) while x and weight stayed fp32;
-        # backward multiplies in the same dtype, as autocast's own linear would (autograd casts the results
-        # back to the inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
+        # Under bf16 autocast the forward multiplied in bf16 (grad_out's dtype) while x stayed fp32; backward
+        # multiplies in the same dtype, as autocast's own linear would (autograd casts the results back to the
+        # inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
         grad_x = grad_out @ weight.to(grad_out.dtype)
 
         def weight_grads():  # in the parameters' dtype (weight_grad.linear_weight_grads)
             x = _all_gather(x_shard.to(grad_out.dtype), SEQ_DIM, ctx.group)  # (b, s, in), gathered again
-            return weight_grad.linear_weight_grads(grad_out, x, weight.dtype, has_bias)
+            return weight_grad.linear_weight_grads(grad_out, x, ctx.param_dtype, has_bias)
 
         grad_x = _reduce_scatter(grad_x, SEQ_DIM, ctx.group)
         if ctx.store is not None:

@@ -7,7 +7,8 @@ schedules (Qi et al. 2024) run the first as B and queue the second as W, to fill
 How, here: the ops that touch a parameter go through this module's functions. Outside a split step they are
 plain torch (`F.linear`, `F.embedding`, the parameter itself), so every other schedule runs unchanged; one
 exception in every schedule: under ZeRO-0's bf16 autocast a linear makes its weight gradients in fp32 from the
-bf16 operands (`linear_weight_grads`) instead of rounding them to bf16 first.
+bf16 operands (`linear_weight_grads`) instead of rounding them to bf16 first, and multiplies the step's one bf16
+copy of its weight (`one_copy_per_step`).
 Inside `split(store)` (the pipeline executor, for the whole of a zero-bubble step) they take stand-ins for
 their weights (fresh leaves holding the same values, as the tied embedding's, model/tied.py), so the step's
 graphs have no edge into any weight: a B, run under `store.collecting(key)` (the
@@ -181,8 +182,50 @@ def kept() -> bool:
     return _kept
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast multiplies in on this device type, or None outside autocast."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+_copies: dict | None = None  # set by `one_copy_per_step`: weight's place and dtype -> (its version, copy, weight)
+
+
+@contextlib.contextmanager
+def one_copy_per_step():
+    """Inside this block a weight is cast to autocast's dtype once (`weight_as`), and that copy serves every
+    forward, backward and recomputation of it until the block ends. Engine.train_step enters it for a step's
+    whole schedule under ZeRO-0's bf16 autocast, whose fp32 weights change only in the optimizer step after it.
+
+    Without it a step made a copy per micro-batch: autocast's own cache lives for one forward, the recomputed
+    forward in backward casts again, and each micro-batch's backward keeps its own copy alive. At m micro-batches
+    that is m casts of every weight a step (6 bytes a parameter each, fp32 read and bf16 written: 7.9 GB at
+    gpt-1.3b) and, in a pipeline, one bf16 copy of the chunk's weights per micro-batch in flight; here it is one
+    of each, as Megatron-LM's bf16 model weights are. Values are the same casts, so training is bit for bit the
+    same (tests/unit/test_weight_grad.py)."""
+    global _copies
+    previous, _copies = _copies, {}
+    try:
+        yield
+    finally:
+        _copies = previous
+
+
+def weight_as(weight: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """weight (a parameter or a stand-in for one) in dtype, without a graph: inside one_copy_per_step the
+    step's copy, made on first use; else a fresh cast. None or already in dtype: itself."""
+    if weight is None or dtype is None or weight.dtype == dtype:
+        return weight
+    if torch.compiler.is_compiling() or _copies is None:  # (compiled graphs fuse their casts)
+        return weight.detach().to(dtype)
+    # keyed by where the values live, so that a stand-in (a detached view of the parameter, sharing its
+    # version counter) finds the parameter's copy; the entry holds the weight, so the place is not reused
+    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), weight.shape, weight.stride(), dtype)
+    hit = _copies.get(key)
+    if hit is not None and hit[0] == weight._version:
+        return hit[1]
+    copy = weight.detach().to(dtype)
+    _copies[key] = (weight._version, copy, weight)
+    return copy
 
 
 def stand_in(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -222,9 +265,9 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store, weights):
-        dtype = _autocast_dtype(x.device.type)  # do what autocast's own linear does: multiply in its dtype
-        cast = (lambda t: t.to(dtype) if t is not None else None) if dtype is not None else (lambda t: t)
-        x_c, w_c, b_c = cast(x), cast(weight), cast(bias)
+        dtype = autocast_dtype(x.device.type)  # do what autocast's own linear does: multiply in its dtype
+        x_c = x.to(dtype) if dtype is not None else x
+        w_c, b_c = weight_as(weight, dtype), weight_as(bias, dtype)
         ctx.save_for_backward(x_c, w_c)
         ctx.store, ctx.weights = store, weights
         return F.linear(x_c, w_c, b_c)
@@ -278,11 +321,15 @@ def _linear_now(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (ZeRO-0's bf16) the weight gradients are made in the parameters' dtype (linear_weight_grads), except inside
     torch.compile, whose graphs fuse autocast's casts themselves (and whose tracing did not take CUDA's
     fp32-output matmul: pytorch/pytorch#163275)."""
-    dtype = _autocast_dtype(x.device.type)
-    if dtype is not None and dtype != weight.dtype and weight.requires_grad and torch.is_grad_enabled() \
-            and not torch.compiler.is_compiling():
+    dtype = autocast_dtype(x.device.type)
+    if dtype is None or dtype == weight.dtype or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    if weight.requires_grad and torch.is_grad_enabled():
         return _Linear.apply(x, weight, bias, None, (weight, bias))
-    return F.linear(x, weight, bias)
+    if _copies is None:  # no graph, no step (evaluation): autocast's own cast
+        return F.linear(x, weight, bias)
+    # no graph inside a step (a recomputed region's first forward): the step's copies, which its rerun reuses
+    return F.linear(x, weight_as(weight, dtype), weight_as(bias, dtype))
 
 
 def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

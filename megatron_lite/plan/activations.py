@@ -13,8 +13,9 @@ tensors of the real model). Where we differ from the paper, and why:
   - norms keep fp32 statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms and the normalised fp32 input).
   - SwiGLU keeps [gate | up], silu(gate) and the product: 4f per token; GeLU the pre- and post-activation: 2f.
   - residual dropout keeps a bool mask (1 byte); attention dropout is fused into SDPA (flash) or a float mask.
-  - ZeRO-0 under bf16 autocast keeps the residual stream and norms in fp32 and each matmul's bf16 input copy,
-    and the bf16 copy of every weight it multiplied (torch.autocast's cache), per micro-batch in flight.
+  - ZeRO-0 under bf16 autocast keeps the residual stream and norms in fp32 and each matmul's bf16 input copy;
+    the bf16 copy of every weight it multiplies is made once a step and shared by its micro-batches
+    (parallel/weight_grad.py one_copy_per_step), so plan/memory.py counts it once per rank, not per micro-batch.
 The torch kernels (kernels.backend=torch, what `auto` means today) are counted; the Triton kernels keep less
 (they fuse a norm's statistics and the cross entropy's gradient), so for them this is an upper bound.
 
@@ -191,7 +192,7 @@ def head_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
 
 
 def autocast_weights(cfg: ModelConfig, x: MicroShape, layers: int, head: bool) -> int:
-    """Elements of the weights a chunk multiplies under autocast (each cached as a bf16 copy that backward keeps):
+    """Elements of the weights a chunk multiplies under autocast (each a bf16 copy the step keeps):
     the four projections of every layer and the head's (padded) rows; not biases, norms or embedding lookups."""
     h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn // x.tp
     per_layer = h * (cfg.n_heads + 2 * cfg.kv_heads) * d // x.tp + cfg.n_heads * d // x.tp * h

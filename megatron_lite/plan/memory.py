@@ -84,6 +84,7 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     full_layer = A.layer_bytes(cfg, x, kept_mode)
     input_only = A.layer_bytes(cfg, x, "full")
     per_micro, loss_t, grad_t, grads = [], [], [], []
+    copies = 0  # under autocast: one bf16 copy of each weight the rank multiplies, for the whole schedule
     total_params = params.numel or 1
     for spec in chunks:
         rerun = sum(1 for i in spec.layers if i in recomputed)
@@ -101,14 +102,14 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
         else:
             loss_t.append(0)
         chunk_params = chunk_param_count(params, spec)
-        if x.autocast:  # bf16 copies of the matrices the chunk multiplied, kept per micro-batch in flight
-            held += 2 * A.autocast_weights(cfg, x, len(spec.layers), spec.has_head)
+        if x.autocast:  # made by the step's first forward, freed after its last backward (weight_grad.py)
+            copies += 2 * A.autocast_weights(cfg, x, len(spec.layers), spec.has_head)
         per_micro.append(held)
         grad_t.append(layer_t + st.backward - released)
         grads.append(st.step_grads * chunk_params // total_params)
     acts_and_grads, moment = peak_activations(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro,
                                               loss_t, grad_t, grads, st.bucket_held)
-    acts_and_grads += st.step_held
+    acts_and_grads += st.step_held + copies
     step_grads = sum(g for done, g in zip(moment.grads, grads) if done)
     # after the backwards: ZeRO-2's last reduction (bucket and copies); the tied embedding's sync (an extra
     # backward of the weight), then the optimizer step with its temporaries
@@ -118,7 +119,7 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     phase = max(after, key=after.get)
     common = dict(pp_rank=pp_rank, params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=buffers,
                   host=st.host, host_optimizer=st.host_optimizer, host_params=st.host_params,
-                  held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro))
+                  held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro) + copies)
     if after[phase] > acts_and_grads:
         held_grads = st.step_grads + (st.bucket_held if phase == "optimizer step" else 0)
         return RankMemory(**common, activations=0, step_grads=held_grads, step=after[phase] - held_grads, phase=phase)

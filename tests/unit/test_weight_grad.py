@@ -149,3 +149,55 @@ def check_autocast_weight_gradients_in_fp32(device: str, split: bool) -> None:
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_autocast_weight_gradients_are_made_in_fp32(split):
     check_autocast_weight_gradients_in_fp32("cpu", split)
+
+
+class _CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bf16 casts of each parameter (by its storage), wherever they happen: autocast, our ops, backward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+        self.casts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            name = self.names.get(args[0].untyped_storage().data_ptr())
+            if name is not None:
+                self.casts[name] = self.casts.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_one_bf16_copy_of_each_weight_per_step(schedule, recompute):
+    """Under ZeRO-0's bf16 autocast (fp32 weights) a step of m micro-batches inside one_copy_per_step casts each
+    weight to bf16 once, where autocast alone casts it m times (2m with recomputation: the rerun casts again),
+    and trains bit for bit the same: the copies hold the same values."""
+    m, flavour = 3, "gpt2"
+    batches = [_batch(seed) for seed in range(m)]
+    out = {}
+    for once in (False, True):
+        model = _model(flavour)
+        model.set_recompute(recompute)
+        executor = PipelineExecutor(model.chunks, schedule, 1, 0, (2, 16, 32), torch.float32, torch.device("cpu"),
+                                    lambda r: r, None)
+
+        def forward(*args, **kwargs):  # as Engine's, under ZeRO-0 bf16
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(*args, **kwargs)
+
+        counter = _CastCounter(model)
+        with counter, weight_grad.one_copy_per_step() if once else torch.enable_grad():
+            loss = executor.run(forward, batches).loss
+        out[once] = loss, {name: p.grad for name, p in model.named_parameters()}, counter.casts
+    multiplied = {name for name, p in _model(flavour).named_parameters() if name.endswith(("attn.qkv.weight",
+                  "attn.proj.weight", "mlp.fc_in.weight", "mlp.fc_out.weight", "wte.weight"))}
+    assert set(out[True][2]) >= multiplied, set(out[True][2]) ^ multiplied
+    assert all(n == 1 for n in out[True][2].values()), out[True][2]
+    per_micro = 2 if recompute == "full" else 1
+    for name in multiplied - {"wte.weight"}:  # the head's weight is outside the recomputed blocks
+        assert out[False][2][name] == m * per_micro, (name, out[False][2][name])
+    assert torch.equal(out[True][0], out[False][0])
+    for name, want in out[False][1].items():
+        assert torch.equal(out[True][1][name], want), name
