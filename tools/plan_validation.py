@@ -49,6 +49,7 @@ LAYOUTS: list[tuple[int, list[str]]] = [
     (2, [LLAMA, "zero.stage=2", "train.precision=bf16"]),
     (2, ["zero.stage=1", "train.precision=bf16"]),
     (2, ["zero.stage=0", "train.precision=bf16"]),
+    (2, ["parallel.pp=2", "zero.stage=0", "train.precision=bf16", "train.global_batch_size=16"]),
     (2, ["zero.stage=2", "zero.offload_optimizer=cpu"]),
     (2, ["parallel.cp=2", "zero.stage=1"]),
     (2, ["parallel.cp=2", "parallel.cp_mode=ulysses", LLAMA, "zero.stage=2"]),

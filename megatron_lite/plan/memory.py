@@ -102,6 +102,8 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
         else:
             loss_t.append(0)
         chunk_params = chunk_param_count(params, spec)
+        if tied_copy and (spec.has_embedding or spec.has_head):  # its gradient waits in the fp32 accumulator
+            chunk_params -= wte  # until the sync after the schedule (model/tied.py)
         if x.autocast:  # made by the step's first forward, freed after its last backward (weight_grad.py)
             copies += 2 * A.autocast_weights(cfg, x, len(spec.layers), spec.has_head)
         per_micro.append(held)

@@ -23,9 +23,10 @@ on the rank in two AdamW groups of n_g elements, b bytes per DeepSpeed parameter
             parameters stay (max_live_parameters and reuse distance 1e9 elements keep all of a small model).
   offload   optimizer=cpu moves master, moments and the master gradients to host memory, with device staging
             buffers of the largest parameter (b m); param=cpu moves ZeRO-3's partitions to the host.
-Transients of the step: ZeRO-0 flattens every gradient to all-reduce it (4P); ZeRO-1/2 flatten each group's
-partition of gradients (4 S_g) and take fp64 copies of the largest parameter for the norm (8m); AdamW's own
-temporaries (CPU: sqrt and div of the largest tensor, 8 S_g; CUDA foreach: 4 S_g of the group).
+Transients of the step: ZeRO-0 flattens every gradient to all-reduce it (4P, only when N > 1; its fused AdamW and
+foreach norm make none); ZeRO-1/2 flatten each group's partition of gradients (4 S_g) and take fp64 copies of the
+largest parameter for the norm (8m); their AdamW's own temporaries (CPU: sqrt and div of the largest tensor,
+8 S_g; CUDA foreach: 4 S_g of the group).
 Every figure here was measured on CPU with a live-tensor tracker, exact to the byte for ZeRO 0-3, fp32 and bf16,
 offload or not, at N = 1 and 2 (tests/distributed/test_plan_validation.py). On a GPU, pinned host buffers are
 rounded up to a power of two by torch's host allocator (host bytes only).
@@ -97,9 +98,10 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
     n = [sum(p.numel for p in g) for g in groups]
     P, m, count = sum(n), max((p.numel for p in params), default=0), len(params)
     steps = 4 * sum(1 for g in n if g)  # a 0-d fp32 step per non-empty group (torch AdamW)
-    if stage == 0:
+    if stage == 0:  # the step: the flatten when there is a DP/cp average to take (torch's fused AdamW and the
+        #             foreach norm allocate nothing of the parameters' size)
         return States(params=4 * P, grads=0, optimizer=8 * P + 4 * count, buffers=0, host=0, step_grads=4 * P,
-                      backward=0, step=max(4 * min(P, FALLBACK_BUCKET), 16 * m, _adam_temp([p.numel for p in params], n, cuda)))
+                      backward=0, step=4 * min(P, FALLBACK_BUCKET) if N > 1 else 0)
     b = 2 if bf16 else 4
     if stage in (1, 2):
         A = [_aligned(x, N) if x else 0 for x in n]

@@ -1,4 +1,4 @@
-"""The planner's memory model (megatron_lite/plan) against memory measured on CPU, per rank, for 27 layouts of the
+"""The planner's memory model (megatron_lite/plan) against memory measured on CPU, per rank, for 28 layouts of the
 tiny presets: every axis, ZeRO 0-3, recompute none / selective / full (every 2nd layer too), vpp, cp ring and
 Ulysses, offload, both flavours, dropout, bf16 (tools/plan_validation.py measures; its table is
 bench/results/plan_validation_cpu.md).
