@@ -6,7 +6,7 @@ bench/results/plan_validation_cpu.md).
   states       exact: parameters, optimizer, and the rest (gradient buffers, buckets, scalars), each to within
                STATE_SLACK bytes (0-d scalars some ranks keep: a norm, a step counter)
   activations  what autograd keeps at once, within 10% (measured: exact on every layout but one, +0.02%)
-  peak         the step's peak live tensor bytes, within 10% (measured: within 6%)
+  peak         the step's peak live tensor bytes, within 10% (measured: within 5%)
 and the product's own figure: train.py with train.track_memory=true logs mem_peak_gib, the max over ranks of each
 rank's peak, which matches the planner's prediction for the fullest rank.
 """
