@@ -60,7 +60,8 @@ MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names;
 }
 # ours-<parts>: auto (the default), torch or triton kernels, compile (train.compile=true), zero1 (zero.stage=1), in
 # any combination; ours-auto is the trainer as `train.py` runs it by default. The baselines come right after it,
-# so that a run cut short by its time budget still has every ratio of what it measured.
+# so that a run cut short by its time budget still has every ratio of what it measured. Not run by default:
+# accum<m> and recast (side_overrides), e.g. --sides ours-accum4,ours-accum4-recast.
 SIDES = ("ours-auto", "hf", "compiled", "ours-compile", "ours-torch", "ours-triton", "ours-zero1",
          "ours-zero1-compile")
 BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
@@ -114,10 +115,26 @@ def _model_cfg(preset: str, seq: int):
     return OmegaConf.to_object(compose_config([f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0"])).model
 
 
-def _ours(preset: str, micro: int, seq: int, side: str):
+def side_overrides(preset: str, micro: int, seq: int, side: str) -> tuple[list[str], bool]:
+    """The config of an ours-<parts> side, and whether it recasts. Parts beyond the kernels, compile and zero1:
+    accum<m> runs the same tokens a step as m micro-batches of micro/m (gradient accumulation); recast takes
+    back one_copy_per_step, so every micro-batch casts the weights to bf16 again (autocast's own cache, as before
+    0b63767): the baseline that accum<m> is compared with."""
     parts = set(side.split("-")[1:])
-    assert parts <= {"auto", "torch", "triton", "compile", "zero1"}, f"unknown side {side}"
+    accum = [p for p in parts if p.startswith("accum") and p[5:].isdigit()]
+    assert parts - set(accum) <= {"auto", "torch", "triton", "compile", "zero1", "recast"}, f"unknown side {side}"
+    m = int(accum[0][5:]) if accum else 1
+    assert len(accum) <= 1 and micro % m == 0, f"{side}: {micro} sequences do not split into {m} micro-batches"
     backend = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
+    return [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro // m}",
+            f"train.global_batch_size={micro}", "train.precision=bf16", "logging.wandb.mode=disabled",
+            f"kernels.backend={backend}", f"train.compile={'true' if 'compile' in parts else 'false'}",
+            f"zero.stage={1 if 'zero1' in parts else 0}"], "recast" in parts
+
+
+def _ours(preset: str, micro: int, seq: int, side: str):
+    import contextlib
+
     from omegaconf import OmegaConf
 
     from kernels import resolve_backend
@@ -126,11 +143,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     from megatron_lite.model.build import build_model
     from megatron_lite.parallel.context import ParallelContext, init_distributed
 
-    overrides = [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro}",
-                 f"train.global_batch_size={micro}", "train.precision=bf16", "logging.wandb.mode=disabled",
-                 f"kernels.backend={backend}",
-                 f"train.compile={'true' if 'compile' in parts else 'false'}",
-                 f"zero.stage={1 if 'zero1' in parts else 0}"]
+    overrides, recast = side_overrides(preset, micro, seq, side)
     cfg = OmegaConf.to_object(compose_config(overrides))
     init_distributed()
     ctx = ParallelContext.build()
@@ -139,8 +152,12 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     if cfg.train.compile:
         model.compile_blocks()
     engine = Engine(cfg, model, ctx)
-    batch = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), device=ctx.device)
-    return cfg.model, lambda: engine.train_step([batch], cfg.optim.lr, 1)
+    if recast:
+        engine._weight_copies = contextlib.nullcontext
+    t = cfg.train
+    batches = [torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq + 1), device=ctx.device)
+               for _ in range(t.global_batch_size // t.micro_batch_size)]
+    return cfg.model, lambda: engine.train_step(batches, cfg.optim.lr, 1)
 
 
 def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool):

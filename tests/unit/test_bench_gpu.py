@@ -110,3 +110,14 @@ def test_torchrun_worlds_keep_the_callers_python_path(monkeypatch):
     assert (env["TMPDIR"], env["OMP_NUM_THREADS"], env["WANDB_MODE"]) == ("/scratch", "1", "disabled")
     monkeypatch.delenv("PYTHONPATH")
     assert torchrun_env("/repo")["PYTHONPATH"] == "/repo"
+
+
+def test_accumulation_sides_split_the_same_tokens_into_micro_batches():
+    overrides, recast = bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-accum4-recast")
+    assert "train.micro_batch_size=1" in overrides and "train.global_batch_size=4" in overrides and recast
+    overrides, recast = bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-auto")
+    assert "train.micro_batch_size=4" in overrides and "train.global_batch_size=4" in overrides and not recast
+    with pytest.raises(AssertionError, match="do not split"):
+        bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-accum3")
+    with pytest.raises(AssertionError, match="unknown side"):
+        bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-accum")
