@@ -69,7 +69,9 @@ def test_offline_install_from_a_wheelhouse(tmp_path):
     unreachable = "http://127.0.0.1:9"  # nothing listens there: any download fails at once
     env = dict(os.environ, PIP_NO_INDEX="1", http_proxy=unreachable, https_proxy=unreachable,
                HTTP_PROXY=unreachable, HTTPS_PROXY=unreachable, PIP_CONFIG_FILE=os.devnull)
-    for key in ("VIRTUAL_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # `make test ARGS=...` passes its ARGS down
+    # `make test ARGS=...` passes its ARGS down: in MAKEFLAGS, and as an environment variable of its own (make
+    # exports command-line variables), which `make bench-gpu` would otherwise append to its command
+    for key in ("VIRTUAL_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS"):
         env.pop(key, None)
     install = subprocess.run(["make", "install"], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-3000:]
