@@ -326,9 +326,7 @@ def _linear_now(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x, weight, bias)
     if weight.requires_grad and torch.is_grad_enabled():
         return _Linear.apply(x, weight, bias, None, (weight, bias))
-    if _copies is None:  # no graph, no step (evaluation): autocast's own cast
-        return F.linear(x, weight, bias)
-    # no graph inside a step (a recomputed region's first forward): the step's copies, which its rerun reuses
+    # no graph (evaluation, a recomputed region's first forward): inside a step its copies, which the rerun reuses
     return F.linear(x, weight_as(weight, dtype), weight_as(bias, dtype))
 
 
