@@ -12,8 +12,12 @@ if shutil.which("nvidia-smi") is None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_scratch():
-    """Remove the TMPDIR this session gave its subprocesses (tests/distributed/launcher.py) when it ends."""
+    """End the pool's worlds (tests/distributed/pool.py) and remove the TMPDIR this session gave its subprocesses
+    (tests/distributed/launcher.py) when it ends."""
     yield
+    from tests.distributed import pool
     from tests.distributed.launcher import SCRATCH
+
+    pool.close_all()
 
     shutil.rmtree(SCRATCH, ignore_errors=True)

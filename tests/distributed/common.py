@@ -1,4 +1,7 @@
-"""Shared settings for the multi-rank trajectory tests: a tiny model, a short schedule, fp32 on CPU.
+"""Shared settings for the multi-rank trajectory tests: a tiny model, a short schedule, fp32 on CPU, and the
+prepared corpus folded into a 512-token vocabulary (TEST_VOCAB; folded_corpus): the tiny presets' 8192-token
+head is most of a step's time on CPU and none of what these tests compare. A test of the real corpus (the
+recorded losses) adds REAL_CORPUS.
 
 Trajectory tests compare the per-step loss and the per-step gradient norm (before clipping). Both are
 needed: Adam's update is invariant to the gradient's scale (and clipping at train.grad_clip=1.0 rescales
@@ -7,12 +10,13 @@ accumulation or DP averaging factor) leaves the losses unchanged to 5e-7; the gr
 Losses are compared in absolute terms (their scale, ~ln(vocab), is the same in every test), gradient norms
 relative to the reference (their size depends on the model and the step)."""
 
+import functools
 import json
 import os
 
 import numpy as np
 
-from tests.distributed.launcher import ROOT
+from tests.distributed.launcher import ROOT, SCRATCH
 
 # 8 sequences per step: accumulation 4 at dp=1, 2 at dp=2, 1 at dp=4 (same global batch every time).
 BASE = [
@@ -22,8 +26,18 @@ BASE = [
 ]
 
 
+TEST_VOCAB = 512
+REAL_CORPUS = ["data.path=data/shakespeare-8k", "model.vocab_size=8192"]
+
+
 def overrides(tmp_path, name: str, *extra: str) -> list[str]:
-    return [*BASE, f"run.dir={tmp_path}/{name}", *extra]
+    return [*BASE, *test_corpus(), f"run.dir={tmp_path}/{name}", *extra]
+
+
+@functools.cache
+def test_corpus() -> tuple[str, ...]:
+    """The folded corpus, written once per test session (in its scratch directory, removed when it ends)."""
+    return tuple(folded_corpus(os.path.join(SCRATCH, f"corpus_{TEST_VOCAB}"), TEST_VOCAB))
 
 
 def write_prepared(path, splits: dict[str, np.ndarray], vocab: int) -> str:
@@ -37,10 +51,9 @@ def write_prepared(path, splits: dict[str, np.ndarray], vocab: int) -> str:
     return str(path)
 
 
-def folded_corpus(path, vocab: int = 512, tokens: int = 40_000) -> list[str]:
+def folded_corpus(path, vocab: int = TEST_VOCAB, tokens: int = 40_000) -> list[str]:
     """Overrides that train on the start of the prepared corpus with every token folded into `vocab` ids (real text
-    statistics, a head of `vocab` columns): for tests whose subject is not the head, where the 8192-token head of
-    the tiny model dominates the time (bf16 matmuls on CPU, Triton's interpreter)."""
+    statistics, a head of `vocab` columns)."""
     splits = {}
     for split, n in {"train": tokens, "val": tokens // 10}.items():
         ids = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", f"{split}.bin"), dtype=np.uint16, count=n)

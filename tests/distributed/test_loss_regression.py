@@ -6,7 +6,8 @@ They catch silent changes to initialisation, data order, the LR schedule, the lo
 recorded values come from this suite's own single-process run; other CPUs' BLAS may differ in the last bits,
 hence 1e-3 (absolute on losses, relative on gradient norms). Re-recorded when initial weights became a
 function of (seed, parameter name) (megatron_lite/model/init.py). To re-record after an intended change, rerun the config
-below and replace both lists in the JSON file.
+below and replace both lists in the JSON file. They train on the real corpus and its 8192-token vocabulary (data order
+is part of what they guard), where the other trajectory tests fold it (tests/distributed/common.py).
 """
 
 import json
@@ -14,7 +15,7 @@ import os
 
 import pytest
 
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import REAL_CORPUS, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import ROOT, run_configs
 
 
@@ -22,7 +23,7 @@ from tests.distributed.launcher import ROOT, run_configs
 def test_losses_match_recorded_values(preset, tmp_path):
     with open(os.path.join(ROOT, "tests", "assets", f"losses_{preset}.json")) as f:
         recorded = json.load(f)
-    (result,) = run_configs(1, [overrides(tmp_path, preset, f"model={preset}")], tmp_path)
+    (result,) = run_configs(1, [overrides(tmp_path, preset, f"model={preset}", *REAL_CORPUS)], tmp_path)
     gap = max_abs_diff(result["losses"], recorded["losses"])
     assert gap <= 1e-3, f"{preset}: losses moved by {gap:.2e} from the recorded run: {result['losses']}"
     norms = max_relative_diff(result["grad_norms"], recorded["grad_norms"])

@@ -3,9 +3,9 @@
 1. Trajectories (tests/distributed/common.py; 4 steps for the per-stage runs, 6 for TP): every ZeRO stage at
    dp=1 and dp=2, and tp=2 x SP
    (ZeRO-0, whose autocast path runs the sequence-parallel matmuls on fp32 weights, and ZeRO-1), each against
-   the fp32 run of the same layout and against each other. The tiny model with a 512-token vocabulary, on the
-   corpus's tokens folded into it (token mod 512): bf16 matmuls are slow on a CPU without bf16 units, and the
-   8192-token head took half of these tests' time; the precision path does not depend on the head's width.
+   the fp32 run of the same layout and against each other. The tiny model with the trajectory tests' 512-token
+   vocabulary (the corpus folded into it): bf16 matmuls are slow on a CPU without bf16 units, and the 8192-token
+   head took half of these tests' time; the precision path does not depend on the head's width.
    bf16 rounds activations and weights (8 bits of mantissa, 2^-9 relative), so bf16 and fp32 part by a few
    1e-4; measured at dp 1 (6 steps), dp 2 and tp=2 SP: losses <= 3.9e-4 from fp32, gradient norms <= 1.7e-3
    (relative); ZeRO 1-3 (DeepSpeed's bf16 parameters) from each other <= 8.8e-5 and 1.5e-4, from ZeRO-0 (fp32
@@ -23,7 +23,7 @@
 import numpy as np
 import pytest
 
-from tests.distributed.common import folded_corpus, max_abs_diff, max_relative_diff, overrides, write_prepared
+from tests.distributed.common import max_abs_diff, max_relative_diff, overrides, write_prepared
 from tests.distributed.launcher import run_configs
 
 LOSS_TOL, NORM_TOL = 3e-3, 1.5e-2
@@ -49,7 +49,7 @@ def check_stages(results: dict, layout: str) -> None:
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"])
 def test_bf16_follows_fp32_on_every_zero_stage(nproc, tmp_path):
     """Four of the usual six steps (five runs each; the suite's time); the gaps above at dp 1 are 6-step maxima."""
-    common = ["train.steps=4", *folded_corpus(tmp_path / "data")]
+    common = ["train.steps=4"]
     runs = [overrides(tmp_path, "fp32", *common)] + [overrides(tmp_path, f"bf16_z{s}", BF16, f"zero.stage={s}", *common)
                                                      for s in (0, 1, 2, 3)]
     out = run_configs(nproc, runs, tmp_path)
@@ -58,7 +58,7 @@ def test_bf16_follows_fp32_on_every_zero_stage(nproc, tmp_path):
 
 @pytest.mark.slow
 def test_bf16_tensor_and_sequence_parallel(tmp_path):
-    tp = ["parallel.tp=2", "parallel.sp=true", *folded_corpus(tmp_path / "data")]
+    tp = ["parallel.tp=2", "parallel.sp=true"]
     runs = [overrides(tmp_path, "fp32", *tp)] + [overrides(tmp_path, f"bf16_z{s}", *tp, BF16, f"zero.stage={s}")
                                                  for s in (0, 1)]
     fp32, z0, z1 = run_configs(2, runs, tmp_path)

@@ -12,10 +12,15 @@ autocast) and ZeRO-1 (DeepSpeed's bf16 optimizer), each saving asynchronously (p
 import numpy as np
 
 from megatron_lite.checkpoint.store import step_name
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides, write_prepared
+from tests.distributed.common import BASE, max_abs_diff, max_relative_diff, write_prepared
 from tests.distributed.launcher import run_configs
 from tests.distributed.test_host_waits import WORKER
 from tests.distributed.test_resume import STEPS8
+
+
+def overrides(tmp_path, name: str, *extra: str) -> list[str]:
+    """common.overrides on this test's own corpus (random ids, the full vocabulary; the suite's data is not there)."""
+    return [*BASE, f"run.dir={tmp_path}/{name}", *extra]
 
 
 def test_bf16_training_waits_once_a_step_and_resumes_from_an_async_checkpoint(tmp_path):
