@@ -16,8 +16,9 @@ def _session_scratch():
     (tests/distributed/launcher.py) when it ends."""
     yield
     from tests.distributed import pool
-    from tests.distributed.launcher import SCRATCH
+    from tests.distributed.launcher import SCRATCH, clean_shared_memory
 
     pool.close_all()
+    clean_shared_memory()  # the DeepSpeed buffers the pool's ranks held
 
     shutil.rmtree(SCRATCH, ignore_errors=True)
