@@ -37,7 +37,7 @@ from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at
 from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
-from megatron_lite.model.build import build_model, zero3_partitioner
+from megatron_lite.model.build import build_model, restore_functional_linear, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 
 
@@ -339,8 +339,9 @@ class Trainer:
     # --- close ---
 
     def close(self, failed: bool = False) -> None:
-        """Close the logger (wandb marks a failed run so) and the engine, whatever setup reached. After a failure
-        an error while closing is only reported: it must not hide the error that ended the run."""
+        """Close the logger (wandb marks a failed run so) and the engine, whatever setup reached, and leave the
+        process's torch as the run found it. After a failure an error while closing is only reported: it must not
+        hide the error that ended the run."""
         for part, close in ((self.logger, lambda: self.logger.close(failed)), (self.engine, lambda: self.engine.close())):
             if part is None:
                 continue
@@ -350,3 +351,4 @@ class Trainer:
                 if not failed:
                     raise
                 print(f"while closing after an error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        restore_functional_linear()  # a ZeRO-3 run's F.linear must not outlive it

@@ -1,7 +1,7 @@
 """Shared settings for the multi-rank trajectory tests: a tiny model, a short schedule, fp32 on CPU, and the
 prepared corpus folded into a 512-token vocabulary (TEST_VOCAB; folded_corpus): the tiny presets' 8192-token
-head is most of a step's time on CPU and none of what these tests compare. A test of the real corpus (the
-recorded losses) adds REAL_CORPUS.
+head is most of a step's time on CPU and none of what these tests compare. The recorded losses and the fault
+tests train on the real corpus (real_corpus_overrides).
 
 Trajectory tests compare the per-step loss and the per-step gradient norm (before clipping). Both are
 needed: Adam's update is invariant to the gradient's scale (and clipping at train.grad_clip=1.0 rescales
@@ -30,8 +30,16 @@ TEST_VOCAB = 512
 REAL_CORPUS = ["data.path=data/shakespeare-8k", "model.vocab_size=8192"]
 
 
-def overrides(tmp_path, name: str, *extra: str) -> list[str]:
-    return [*BASE, *test_corpus(), f"run.dir={tmp_path}/{name}", *extra]
+def overrides(tmp_path, name: str, *extra: str, real_corpus: bool = False) -> list[str]:
+    return [*BASE, *(REAL_CORPUS if real_corpus else test_corpus()), f"run.dir={tmp_path}/{name}", *extra]
+
+
+def real_corpus_overrides(tmp_path, name: str, *extra: str) -> list[str]:
+    """overrides on the real corpus and its 8192-token head: for the recorded losses, and for the fault tests, whose
+    timing (the steps a signal, a kill or a joining node must land among) and long-run tolerances were measured
+    with it. On the folded corpus steps are twice as fast and the loss falls below 1 by step 17, where an elastic
+    resume's reordered sums then part by 1e-3 instead of 1e-4."""
+    return overrides(tmp_path, name, *extra, real_corpus=True)
 
 
 @functools.cache

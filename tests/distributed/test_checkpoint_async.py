@@ -10,7 +10,7 @@ import os
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
-from tests.distributed.common import overrides
+from tests.distributed.common import overrides, real_corpus_overrides
 from tests.distributed.launcher import run_configs
 from tests.distributed.test_resume import (STEPS8, assert_continues, killed_writing_step_4, straight_then_resumed,
                                           straights_then_resumed)
@@ -74,14 +74,14 @@ def test_async_checkpoint_converts_for_another_dp_size(tmp_path):
 def test_rank_killed_during_a_background_write(tmp_path):
     """Rank 1's background write of step 4 takes 4 s, then it dies (SIGKILL) mid-file; meanwhile the loop trains
     on. `latest` stays step 2, step 4 has no meta.json, and the restart continues the straight trajectory."""
-    args = overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1", *ASYNC)
+    args = real_corpus_overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1", *ASYNC)
     ckpt = f"{tmp_path}/run/checkpoints"
     killed_writing_step_4(args, ckpt, SLOW_WRITE_S="4")
     logged = [r["step"] for r in _metrics(f"{tmp_path}/run")]
     assert 5 in logged, f"the loop waited for the write instead of training on: {logged}"
 
     resumed, straight = run_configs(2, [args + ["checkpoint.resume=auto"],
-                                        overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")], tmp_path)
+                                        real_corpus_overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")], tmp_path)
     assert [r["step"] for r in _metrics(f"{tmp_path}/run")][-6:] == [3, 4, 5, 6, 7, 8]
     assert len(resumed["losses"]) == 6
     assert_continues(resumed, straight, 1e-6, "async: restart from step 2")

@@ -10,7 +10,8 @@ import os
 import shutil
 
 from megatron_lite.checkpoint import store
-from tests.distributed.common import overrides
+# the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
+from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import run_configs
 from tests.distributed.test_resume import assert_continues
 

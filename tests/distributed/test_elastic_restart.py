@@ -21,7 +21,8 @@ import time
 import pytest
 
 from megatron_lite.parallel.context import free_port
-from tests.distributed.common import logged_records, overrides
+# the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
+from tests.distributed.common import logged_records, real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs
 
 INTERVAL = 3

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.distributed.common import REAL_CORPUS, max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import max_abs_diff, max_relative_diff, real_corpus_overrides
 from tests.distributed.launcher import ROOT, run_configs
 
 
@@ -23,7 +23,7 @@ from tests.distributed.launcher import ROOT, run_configs
 def test_losses_match_recorded_values(preset, tmp_path):
     with open(os.path.join(ROOT, "tests", "assets", f"losses_{preset}.json")) as f:
         recorded = json.load(f)
-    (result,) = run_configs(1, [overrides(tmp_path, preset, f"model={preset}", *REAL_CORPUS)], tmp_path)
+    (result,) = run_configs(1, [real_corpus_overrides(tmp_path, preset, f"model={preset}")], tmp_path)
     gap = max_abs_diff(result["losses"], recorded["losses"])
     assert gap <= 1e-3, f"{preset}: losses moved by {gap:.2e} from the recorded run: {result['losses']}"
     norms = max_relative_diff(result["grad_norms"], recorded["grad_norms"])

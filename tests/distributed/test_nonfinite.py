@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from megatron_lite.checkpoint.weights import load_model_state
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
-from tests.distributed.common import overrides
+# the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
+from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
 
 WORKER = os.path.join(ROOT, "tests/distributed/nan_worker.py")

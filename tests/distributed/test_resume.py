@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
-from tests.distributed.common import assert_same_hf_export, max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import (assert_same_hf_export, max_abs_diff, max_relative_diff, overrides,
+                                      real_corpus_overrides)
 from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
@@ -79,13 +80,14 @@ def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> None:
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     """Rank 1 dies while writing step 4; the restart must load step 2 and continue the same trajectory."""
-    args = overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", f"zero.stage={stage}")
+    args = real_corpus_overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", f"zero.stage={stage}")
     ckpt = f"{tmp_path}/run/checkpoints"
     killed_writing_step_4(args, ckpt)
 
     resumed, straight = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
                                                      f"zero.stage={stage}"],
-                                        overrides(tmp_path, "straight", *STEPS8, f"zero.stage={stage}")], tmp_path)
+                                        real_corpus_overrides(tmp_path, "straight", *STEPS8, f"zero.stage={stage}")],
+                                       tmp_path)
     with open(f"{tmp_path}/run/metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps[-6:] == [3, 4, 5, 6, 7, 8], steps  # the restart continued from step 2

@@ -27,7 +27,8 @@ import time
 import pytest
 
 from megatron_lite.checkpoint import store
-from tests.distributed.common import overrides
+# the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
+from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
 from tests.distributed.test_resume import assert_continues
 

@@ -11,7 +11,8 @@ import signal
 import subprocess
 import time
 
-from tests.distributed.common import overrides
+# the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
+from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
 from tests.distributed.test_signals import workers
 
