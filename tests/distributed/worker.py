@@ -15,13 +15,6 @@ from megatron_lite.training import run
 
 def main(spec_path: str, train=lambda overrides: run(load(overrides))) -> int:
     """train(overrides) -> a run's summary (host_waits_worker.py passes one that also counts)."""
-    train_spec(spec_path, train)
-    dist.destroy_process_group()
-    return 0
-
-
-def train_spec(spec_path: str, train=lambda overrides: run(load(overrides))) -> None:
-    """Train the spec's runs one after another; rank 0 writes their results; a barrier ends it."""
     with open(spec_path) as f:
         spec = json.load(f)
     results = [{"overrides": overrides, **train(overrides)} for overrides in spec["runs"]]
@@ -29,6 +22,8 @@ def train_spec(spec_path: str, train=lambda overrides: run(load(overrides))) -> 
         with open(spec["out"], "w") as f:
             json.dump(results, f)
     dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
