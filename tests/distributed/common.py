@@ -35,10 +35,11 @@ def overrides(tmp_path, name: str, *extra: str, real_corpus: bool = False) -> li
 
 
 def real_corpus_overrides(tmp_path, name: str, *extra: str) -> list[str]:
-    """overrides on the real corpus and its 8192-token head: for the recorded losses, and for the fault tests, whose
-    timing (the steps a signal, a kill or a joining node must land among) and long-run tolerances were measured
-    with it. On the folded corpus steps are twice as fast and the loss falls below 1 by step 17, where an elastic
-    resume's reordered sums then part by 1e-3 instead of 1e-4."""
+    """overrides on the real corpus's settings and its 8192-token head: for the recorded losses, for the fault
+    tests, whose timing (the steps a signal, a kill or a joining node must land among) and long-run tolerances were
+    measured with it, and under a data.path of a test's own with the full vocabulary (tests/gpu: the lease has no
+    data/, and this reads nothing from it). On the folded corpus steps are twice as fast and the loss falls below 1
+    by step 17, where an elastic resume's reordered sums then part by 1e-3 instead of 1e-4."""
     return overrides(tmp_path, name, *extra, real_corpus=True)
 
 

@@ -1,11 +1,11 @@
 """Training with kernels.backend=triton (Triton's interpreter on CPU) follows kernels.backend=torch.
 
-Both presets (GPT-2 style: LayerNorm, bias-GeLU; Llama style: RMSNorm, RoPE, SwiGLU), fused cross entropy
-in both; the Llama run also recomputes every layer, so kernels replay inside recomputation. The corpus is
-folded into a 512-token vocabulary, as in every trajectory test (tests/distributed/common.py): the
-interpreter's time goes by the size of what the kernels touch. Tolerance 1e-4 on every per-step loss (absolute) and gradient norm
-(relative); the kernels reorder fp32 reductions. Measured: losses 4.8e-7 (tiny) and 1.4e-6 (llama-tiny),
-gradient norms 7.1e-8 and 9.1e-7; ZeRO-3 tp=2 + SP against dp=2: 4.8e-7 and 2.0e-7.
+Both presets (GPT-2 style: LayerNorm, bias-GeLU; Llama style: RMSNorm, RoPE, SwiGLU), fused cross entropy in both;
+the Llama run also recomputes every layer, so kernels replay inside recomputation. The corpus is folded into a
+512-token vocabulary, as in every trajectory test (tests/distributed/common.py): the interpreter's time goes by the
+size of what the kernels touch. Tolerance 1e-4 on every per-step loss (absolute) and gradient norm (relative); the
+kernels reorder fp32 reductions. Measured: losses 4.8e-7 (tiny) and 1.4e-6 (llama-tiny), gradient norms 7.1e-8 and
+9.1e-7; ZeRO-3 tp=2 + SP against dp=2: 4.8e-7 and 2.0e-7.
 """
 
 import os

@@ -6,8 +6,8 @@ They catch silent changes to initialisation, data order, the LR schedule, the lo
 recorded values come from this suite's own single-process run; other CPUs' BLAS may differ in the last bits,
 hence 1e-3 (absolute on losses, relative on gradient norms). Re-recorded when initial weights became a
 function of (seed, parameter name) (megatron_lite/model/init.py). To re-record after an intended change, rerun the config
-below and replace both lists in the JSON file. They train on the real corpus and its 8192-token vocabulary (data order
-is part of what they guard), where the other trajectory tests fold it (tests/distributed/common.py).
+below and replace both lists in the JSON file. They train on the real corpus and its 8192-token vocabulary
+(data order is part of what they guard), where the other trajectory tests fold it (tests/distributed/common.py).
 """
 
 import json

@@ -12,15 +12,10 @@ autocast) and ZeRO-1 (DeepSpeed's bf16 optimizer), each saving asynchronously (p
 import numpy as np
 
 from megatron_lite.checkpoint.store import step_name
-from tests.distributed.common import BASE, max_abs_diff, max_relative_diff, write_prepared
+from tests.distributed.common import max_abs_diff, max_relative_diff, real_corpus_overrides, write_prepared
 from tests.distributed.launcher import run_configs
 from tests.distributed.test_host_waits import WORKER
 from tests.distributed.test_resume import STEPS8
-
-
-def overrides(tmp_path, name: str, *extra: str) -> list[str]:
-    """common.overrides on this test's own corpus (random ids, the full vocabulary; the suite's data is not there)."""
-    return [*BASE, f"run.dir={tmp_path}/{name}", *extra]
 
 
 def test_bf16_training_waits_once_a_step_and_resumes_from_an_async_checkpoint(tmp_path):
@@ -28,9 +23,9 @@ def test_bf16_training_waits_once_a_step_and_resumes_from_an_async_checkpoint(tm
     data = write_prepared(tmp_path / "data", {"train": tokens, "val": tokens[:20_000]}, 8192)
     layouts = {f"zero{stage}": [f"data.path={data}", "train.precision=bf16", f"zero.stage={stage}",
                                 "checkpoint.async_save=true"] for stage in (0, 1)}
-    straight = run_configs(1, [overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
+    straight = run_configs(1, [real_corpus_overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
                                for name, layout in layouts.items()], tmp_path, worker=WORKER)
-    resumed = run_configs(1, [overrides(tmp_path, f"{name}_resumed", *STEPS8, *layout,
+    resumed = run_configs(1, [real_corpus_overrides(tmp_path, f"{name}_resumed", *STEPS8, *layout,
                                         f"checkpoint.dir={tmp_path}/{name}_resumed/checkpoints",
                                         f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
                               for name, layout in layouts.items()], tmp_path)
