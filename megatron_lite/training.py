@@ -8,6 +8,7 @@ nothing (engine.py); too many in a row end the run (NonFiniteError).
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -29,7 +30,7 @@ from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
 from megatron_lite.engine import Engine, StepOutcome
 from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
-from megatron_lite.engine.repairs import honour_explicit_zero3_dtype
+from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, restore_functional_linear
 from megatron_lite.errors import RunError
 from megatron_lite.faults import stalls
 from megatron_lite.faults import stop
@@ -37,7 +38,7 @@ from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at
 from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
-from megatron_lite.model.build import build_model, restore_functional_linear, zero3_partitioner
+from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 
 
@@ -78,6 +79,12 @@ def _max_over_ranks(value: int, ctx: ParallelContext) -> int:
 
 def run(cfg: Config) -> dict:
     """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
+    summary = _train(cfg)
+    gc.collect()  # what is left of the run (reference cycles) still holds its process groups' threads
+    return summary
+
+
+def _train(cfg: Config) -> dict:
     trainer = None
     try:
         init_distributed(cfg.dist.timeout_s)
@@ -85,9 +92,13 @@ def run(cfg: Config) -> dict:
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
         try:
             trainer = Trainer(cfg, ctx, memory)
-            return trainer.fit()
+            summary = trainer.fit()
         finally:
             memory.close()
+        # A process that trains again must not keep this run's groups. Only after a run that ended well: after
+        # an error the process ends, and shutting down a group whose collective failed can hang on NCCL.
+        ctx.destroy()
+        return summary
     except Exception as err:
         if (trainer is not None and trainer.stepped) or not stop.requested():
             raise

@@ -22,9 +22,9 @@ import torch
 
 from megatron_lite.config import Config
 from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision
-from megatron_lite.engine.repairs import (honour_explicit_zero3_dtype, reset_backward_hook_count,
-                                          restore_group_hyperparameters, sum_zero3_gradients_over_cp,
-                                          zero_offload_accumulators)
+from megatron_lite.engine.repairs import (forget_run_in_deepspeed_globals, honour_explicit_zero3_dtype,
+                                          reset_backward_hook_count, restore_group_hyperparameters,
+                                          sum_zero3_gradients_over_cp, zero_offload_accumulators)
 from megatron_lite.layout import Layout
 from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.model.tied import needs_tie
@@ -238,6 +238,8 @@ class Engine:
 
     def close(self) -> None:
         self.ds_engine.destroy()
+        forget_run_in_deepspeed_globals(self.model, self.ctx)
+
 
 
 def _bf16_autocast(forward, device_type: str):

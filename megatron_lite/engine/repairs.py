@@ -5,11 +5,15 @@
   zero_offload_accumulators       CPU offload expects every parameter in a step's first backward (pipelines)
   restore_group_hyperparameters   ZeRO-3 universal load copies group 0's hyperparameters and one `step` tensor
   sum_zero3_gradients_over_cp     ZeRO-3's reduce-scatter averages over the sequence-parallel (cp) ranks
+  restore_functional_linear       zero.Init(module=...) leaves its own F.linear in torch for the process's life
+  forget_run_in_deepspeed_globals DeepSpeed's module globals keep an ended run's model and process groups
 
 Each is exercised by a test that fails without it (named in its docstring).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -82,3 +86,38 @@ def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
     for state in inner.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
+
+
+def restore_functional_linear() -> None:
+    """Put torch.nn.functional.linear back when a run ends. deepspeed.zero.Init(module=...) (model/build.py
+    zero3_partitioner, as DeepSpeed's own ZeRO-3 setup does) swaps in ZeRO-3's memory-efficient linear for the
+    rest of the process ("This will persist unless manually reset"). Our linears call F.linear, so a later run
+    in the same process (a test world, a tool that trains several layouts) computed with it too, in another
+    rounding: a ZeRO-1 run after a ZeRO-3 one moved its losses in the 7th digit (tests/distributed/test_zero.py).
+    A no-op where no ZeRO-3 run was."""
+    zero3 = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(zero3, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
+
+
+def forget_run_in_deepspeed_globals(model: torch.nn.Module, ctx) -> None:
+    """DeepSpeed keeps references to a run in module globals after its engine is destroyed: the mpu
+    (deepspeed.utils.groups.mpu, until the next engine replaces it) and, under ZeRO-3, the model at the bottom of
+    its forward-module stack (each ZeRO-3 engine pushes its model and none pops it) and in the class-wide
+    lru_cache of PartitionedParameterCoordinator.__params_to_release (keyed by coordinator and module). Through
+    them a process that trains again keeps every ended run's model, optimizer and process groups, and each gloo
+    group's threads, which wake hundreds of times a second (tests/distributed/test_zero.py counts them)."""
+    from deepspeed.utils import groups
+
+    if getattr(groups.mpu, "ctx", None) is ctx:
+        groups.mpu = None
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.FWD_MODULE_STACK[:] = [m for m in offload.FWD_MODULE_STACK if m is not model]
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is not None:
+        method = vars(coordinator.PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
+        for cell in method.__closure__ or ():  # under DeepSpeed's instrument_w_nvtx wrapper
+            if hasattr(cell.cell_contents, "cache_clear"):
+                cell.cell_contents.cache_clear()

@@ -17,7 +17,6 @@ checkpoint/weights.py: load_model_state).
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, Mapping
 
 import torch
@@ -71,14 +70,3 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
 
     return partition, dtype
 
-
-def restore_functional_linear() -> None:
-    """Put torch.nn.functional.linear back when a run ends. deepspeed.zero.Init(module=...) (above, as DeepSpeed's
-    own ZeRO-3 setup does) swaps in ZeRO-3's memory-efficient linear for the rest of the process ("This will
-    persist unless manually reset"). Our linears call F.linear, so a later run in the same process (a test world,
-    a tool that trains several layouts) computed with it too, in another rounding: a ZeRO-1 run after a ZeRO-3
-    one moved its losses in the 7th digit (tests/distributed/test_zero.py). A no-op where no ZeRO-3 run was."""
-    zero3 = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
-    original = getattr(getattr(zero3, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
-    if original is not None:
-        torch.nn.functional.linear = original

@@ -87,7 +87,7 @@ def test_nvme_offload_matches_no_offload(reference, tmp_path):
 def test_a_zero3_run_leaves_the_next_run_in_its_world_unchanged(tmp_path):
     """deepspeed.zero.Init(module=...) swaps torch's F.linear for ZeRO-3's memory-efficient linear for the rest of
     the process, and our linears call F.linear; a run puts it back when it ends
-    (model/build.restore_functional_linear). A world trains its configurations one after another, so a ZeRO-1 run
+    (engine/repairs.restore_functional_linear). A world trains its configurations one after another, so a ZeRO-1 run
     after a ZeRO-3 one equals the same run in a world of its own, bit for bit (without the restore its losses moved
     in the 7th digit)."""
     layout = ["zero.stage=1", "model.dropout=0.1", "train.steps=4"]

@@ -1,13 +1,20 @@
-"""Runs several training configs in one torchrun world (process groups are reused between them).
+"""Runs several training configs in one torchrun world, one after another in the same processes.
 
 argv[1]: a JSON file holding {"runs": [[override, ...], ...], "out": path}. Rank 0 writes, per run, the
 per-step losses and the final summary to `out` as JSON.
+
+Each run must leave the process as it found it: after every run only the default process group is left, with
+only its gloo threads (a run that kept its groups, or a DeepSpeed global that kept the run, adds threads that
+wake hundreds of times a second: engine/repairs.py forget_run_in_deepspeed_globals). A run that leaves more
+fails here, in whatever test trained it.
 """
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from megatron_lite.cli import exit_process, load
 from megatron_lite.training import run
@@ -17,13 +24,42 @@ def main(spec_path: str, train=lambda overrides: run(load(overrides))) -> int:
     """train(overrides) -> a run's summary (host_waits_worker.py passes one that also counts)."""
     with open(spec_path) as f:
         spec = json.load(f)
-    results = [{"overrides": overrides, **train(overrides)} for overrides in spec["runs"]]
+    results = []
+    for overrides in spec["runs"]:
+        results.append({"overrides": overrides, **train(overrides)})
+        check_nothing_left(overrides)
     if dist.get_rank() == 0:
         with open(spec["out"], "w") as f:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+# torch's gloo process group: a device with one loop thread (gloo_tcp_loop) and two worker threads
+# (pt_gloo_runloop, ProcessGroupGloo's default options)
+GLOO_THREADS_PER_GROUP = 3
+
+
+def gloo_threads() -> int:
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return sum(name in ("gloo_tcp_loop", "pt_gloo_runloop") for name in names)
+
+
+def check_nothing_left(overrides: list[str]) -> None:
+    """Raise if the run left a process group besides the default one, or the threads of one."""
+    groups = len(c10d._world.pg_map)
+    threads = gloo_threads() if dist.get_backend() == "gloo" else 0
+    if groups > 1 or threads > GLOO_THREADS_PER_GROUP * groups:
+        raise AssertionError(f"the run {overrides} left {groups - 1} process groups besides the default one and "
+                             f"{threads} gloo threads ({GLOO_THREADS_PER_GROUP} are the default group's)")
 
 
 if __name__ == "__main__":
