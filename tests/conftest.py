@@ -12,8 +12,13 @@ if shutil.which("nvidia-smi") is None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_scratch():
-    """Remove the TMPDIR this session gave its subprocesses (tests/distributed/launcher.py) when it ends."""
+    """End the pool's worlds (tests/distributed/pool.py) and remove the TMPDIR this session gave its subprocesses
+    (tests/distributed/launcher.py) when it ends."""
     yield
-    from tests.distributed.launcher import SCRATCH
+    from tests.distributed import pool
+    from tests.distributed.launcher import SCRATCH, clean_shared_memory
+
+    pool.close_all()
+    clean_shared_memory()  # the DeepSpeed buffers the pool's ranks held
 
     shutil.rmtree(SCRATCH, ignore_errors=True)

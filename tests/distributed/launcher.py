@@ -59,13 +59,30 @@ def rank_env(**extra: str) -> dict:
     return env
 
 
+def resumes(run: list[str]) -> bool:
+    """Whether a run may load a checkpoint (checkpoint.resume other than never: the default is auto). Such a run
+    starts in a world of its own: a resume is tested in processes that hold nothing of the run it continues."""
+    values = [o.split("=", 1)[1] for o in run if o.startswith("checkpoint.resume=")]
+    return not values or values[-1] != "never"
+
+
 def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900, worker: str = WORKER) -> list[dict]:
     """Train each override list in one `nproc`-rank torchrun world; return rank 0's summaries (`worker`: a script
-    that takes worker.py's spec file)."""
+    that takes worker.py's spec file). worker.py's own specs go to the session's pool world of that size, unless a
+    run resumes."""
+    from tests.distributed import pool
+
     spec = os.path.join(tmp_path, f"spec_{nproc}_{len(os.listdir(tmp_path))}.json")
     out = spec.replace(".json", ".out.json")
     with open(spec, "w") as f:
         json.dump({"runs": runs, "out": out}, f)
+    if worker == WORKER and pool.enabled() and not any(map(resumes, runs)):  # a started world (pool.py)
+        try:
+            pool.run(nproc, spec, timeout)
+        finally:
+            clean_shared_memory()
+        with open(out) as f:
+            return json.load(f)
     try:
         proc = subprocess.run(torchrun_cmd(nproc, worker, spec), env=rank_env(), cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout)

@@ -84,14 +84,16 @@ def test_nvme_offload_matches_no_offload(reference, tmp_path):
         assert_follows(result, reference, f"zero.stage={stage} NVMe offload")
 
 
-def test_a_zero3_run_leaves_the_next_run_in_its_world_unchanged(tmp_path):
+def test_a_zero3_run_leaves_the_next_run_in_its_world_unchanged(tmp_path, monkeypatch):
     """deepspeed.zero.Init(module=...) swaps torch's F.linear for ZeRO-3's memory-efficient linear for the rest of
     the process, and our linears call F.linear; a run puts it back when it ends
-    (engine/repairs.restore_functional_linear). A world trains its configurations one after another, so a ZeRO-1 run
-    after a ZeRO-3 one equals the same run in a world of its own, bit for bit (without the restore its losses moved
-    in the 7th digit)."""
+    (engine/repairs.restore_functional_linear). A world trains its configurations one after another (and the test
+    pool's worlds, tests/distributed/pool.py, spec after spec), so a ZeRO-1 run after a ZeRO-3 one equals the same
+    run in a fresh world of its own, bit for bit (without the restore its losses moved in the 7th digit). Every
+    run of a test world also checks that nothing of it is left (worker.check_nothing_left)."""
     layout = ["zero.stage=1", "model.dropout=0.1", "train.steps=4"]
     _, after = run_configs(2, [overrides(tmp_path, "z3", "model=llama-tiny", "zero.stage=3", "train.steps=2"),
                                overrides(tmp_path, "after_z3", *layout)], tmp_path)
+    monkeypatch.setenv("MEGATRON_LITE_TEST_POOL", "0")
     (alone,) = run_configs(2, [overrides(tmp_path, "alone", *layout)], tmp_path)
     assert after["losses"] == alone["losses"] and after["grad_norms"] == alone["grad_norms"], (after, alone)

@@ -22,6 +22,13 @@ from megatron_lite.training import run
 
 def main(spec_path: str, train=lambda overrides: run(load(overrides))) -> int:
     """train(overrides) -> a run's summary (host_waits_worker.py passes one that also counts)."""
+    train_spec(spec_path, train)
+    dist.destroy_process_group()
+    return 0
+
+
+def train_spec(spec_path: str, train=lambda overrides: run(load(overrides))) -> None:
+    """Train the spec's runs one after another; rank 0 writes their results; a barrier ends it."""
     with open(spec_path) as f:
         spec = json.load(f)
     results = []
@@ -32,8 +39,6 @@ def main(spec_path: str, train=lambda overrides: run(load(overrides))) -> int:
         with open(spec["out"], "w") as f:
             json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 # torch's gloo process group: a device with one loop thread (gloo_tcp_loop) and two worker threads
