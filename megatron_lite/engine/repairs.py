@@ -123,7 +123,8 @@ def forget_run_in_deepspeed_globals(model: torch.nn.Module, ctx) -> None:
                 delattr(param, name)
     coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
     if coordinator is not None:
-        method = vars(coordinator.PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
+        method = vars(coordinator.PartitionedParameterCoordinator)
+        method = method["_PartitionedParameterCoordinator__params_to_release"]
         for cell in method.__closure__ or ():  # under DeepSpeed's instrument_w_nvtx wrapper
             if hasattr(cell.cell_contents, "cache_clear"):
                 cell.cell_contents.cache_clear()

@@ -59,24 +59,35 @@ def rank_env(**extra: str) -> dict:
     return env
 
 
+def _value(run: list[str], key: str, default: str) -> str:
+    values = [o.split("=", 1)[1] for o in run if o.startswith(f"{key}=")]
+    return values[-1] if values else default
+
+
 def resumes(run: list[str]) -> bool:
     """Whether a run may load a checkpoint (checkpoint.resume other than never: the default is auto). Such a run
     starts in a world of its own: a resume is tested in processes that hold nothing of the run it continues."""
-    values = [o.split("=", 1)[1] for o in run if o.startswith("checkpoint.resume=")]
-    return not values or values[-1] != "never"
+    return _value(run, "checkpoint.resume", "auto") != "never"
+
+
+def compiles(run: list[str]) -> bool:
+    """Whether a run compiles its blocks (train.compile=true). Such a run starts in a world of its own: dynamo's
+    caches live as long as the process (its recompile limit would count other tests' graphs), and the compiled
+    graphs it installs in the model's module keep the process groups they captured (worker.check_nothing_left)."""
+    return _value(run, "train.compile", "false").lower() == "true"
 
 
 def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900, worker: str = WORKER) -> list[dict]:
     """Train each override list in one `nproc`-rank torchrun world; return rank 0's summaries (`worker`: a script
     that takes worker.py's spec file). worker.py's own specs go to the session's pool world of that size, unless a
-    run resumes."""
+    run resumes or compiles."""
     from tests.distributed import pool
 
     spec = os.path.join(tmp_path, f"spec_{nproc}_{len(os.listdir(tmp_path))}.json")
     out = spec.replace(".json", ".out.json")
     with open(spec, "w") as f:
         json.dump({"runs": runs, "out": out}, f)
-    if worker == WORKER and pool.enabled() and not any(map(resumes, runs)):  # a started world (pool.py)
+    if worker == WORKER and pool.enabled() and not any(resumes(r) or compiles(r) for r in runs):  # pool.py
         try:
             pool.run(nproc, spec, timeout)
         finally:

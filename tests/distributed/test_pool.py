@@ -1,14 +1,14 @@
 """The test pool (tests/distributed/pool.py) changes where a run trains, never what it gives: a pooled run after
 other configurations equals a run in a fresh world (tests/distributed/test_zero.py, after a ZeRO-3 run). Here: a
 request that fails raises the rank's error in the test and ends its world, the next request gets a fresh world,
-and a run that resumes never goes to a pool world.
+and a run that resumes or compiles never goes to a pool world.
 """
 
 import pytest
 
 from tests.distributed import pool
 from tests.distributed.common import overrides
-from tests.distributed.launcher import resumes, run_configs
+from tests.distributed.launcher import compiles, resumes, run_configs
 
 pytestmark = pytest.mark.skipif(not pool.enabled(), reason="MEGATRON_LITE_TEST_POOL=0")
 
@@ -23,7 +23,9 @@ def test_a_failed_request_ends_its_world_and_the_next_gets_a_fresh_one(tmp_path)
     assert pool._worlds[2] is not world and pool._worlds[2].alive() and len(again["losses"]) == 2
 
 
-def test_a_run_that_resumes_gets_a_world_of_its_own():
+def test_a_run_that_resumes_or_compiles_gets_a_world_of_its_own():
     assert not resumes(overrides("/tmp", "x"))
     assert resumes(overrides("/tmp", "x", "checkpoint.resume=auto"))
     assert resumes(["train.steps=2"])  # checkpoint.resume's default is auto
+    assert not compiles(overrides("/tmp", "x")) and not compiles(["train.compile=false"])
+    assert compiles(overrides("/tmp", "x", "train.compile=true"))

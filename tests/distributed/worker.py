@@ -6,7 +6,10 @@ per-step losses and the final summary to `out` as JSON.
 Each run must leave the process as it found it: after every run only the default process group is left, with
 only its gloo threads (a run that kept its groups, or a DeepSpeed global that kept the run, adds threads that
 wake hundreds of times a second: engine/repairs.py forget_run_in_deepspeed_globals). A run that leaves more
-fails here, in whatever test trained it.
+fails here, in whatever test trained it. Except the threads after a compiled run: dynamo installs its compiled
+graphs as globals of the compiled function's module (megatron_lite.model.gpt), where they stay after
+torch._dynamo.reset(), and the graph of a tensor-parallel block holds its process group (measured: one group's
+3 threads left per compiled tp run). Such runs get worlds of their own (launcher.compiles).
 """
 
 import json
@@ -18,6 +21,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from megatron_lite.cli import exit_process, load
 from megatron_lite.training import run
+from tests.distributed.launcher import compiles
 
 
 def main(spec_path: str, train=lambda overrides: run(load(overrides))) -> int:
@@ -61,7 +65,7 @@ def gloo_threads() -> int:
 def check_nothing_left(overrides: list[str]) -> None:
     """Raise if the run left a process group besides the default one, or the threads of one."""
     groups = len(c10d._world.pg_map)
-    threads = gloo_threads() if dist.get_backend() == "gloo" else 0
+    threads = gloo_threads() if dist.get_backend() == "gloo" and not compiles(overrides) else 0
     if groups > 1 or threads > GLOO_THREADS_PER_GROUP * groups:
         raise AssertionError(f"the run {overrides} left {groups - 1} process groups besides the default one and "
                              f"{threads} gloo threads ({GLOO_THREADS_PER_GROUP} are the default group's)")
