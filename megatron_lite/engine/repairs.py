@@ -104,19 +104,21 @@ def restore_functional_linear() -> None:
 def forget_run_in_deepspeed_globals(model: torch.nn.Module, ctx) -> None:
     """DeepSpeed keeps a run alive after its engine is destroyed: in module globals, the mpu
     (deepspeed.utils.groups.mpu, until the next engine replaces it) and, under ZeRO-3, the model at the bottom of
-    its forward-module stack (each ZeRO-3 engine pushes its model and none pops it) and in the class-wide
-    lru_cache of PartitionedParameterCoordinator.__params_to_release (keyed by coordinator and module); and its
-    bf16 optimizer binds methods of each parameter to the parameter itself (get_full_hp_param, ...: link_hp_params)
-    beside its data-parallel group, a cycle through the tensor that Python's collector does not break. Through
-    them a process that trains again keeps every ended run's model, optimizer and process groups, and each gloo
-    group's threads, which wake hundreds of times a second (tests/distributed/worker.py counts them)."""
+    its forward-module stack (each ZeRO-3 engine pushes its model and none pops it; blocks re-run by activation
+    recompute stay on it too) and in the class-wide lru_cache of PartitionedParameterCoordinator.__params_to_release
+    (keyed by coordinator and module); and its bf16 optimizer binds methods of each parameter to the parameter
+    itself (get_full_hp_param, ...: link_hp_params) beside its data-parallel group, a cycle through the tensor that
+    Python's collector does not break. Through them a process that trains again keeps every ended run's model,
+    optimizer and process groups, and each gloo group's threads, which wake hundreds of times a second
+    (tests/distributed/worker.py counts them)."""
     from deepspeed.utils import groups
 
     if getattr(groups.mpu, "ctx", None) is ctx:
         groups.mpu = None
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:
-        offload.FWD_MODULE_STACK[:] = [m for m in offload.FWD_MODULE_STACK if m is not model]
+        mine = {id(m) for m in model.modules()}
+        offload.FWD_MODULE_STACK[:] = [m for m in offload.FWD_MODULE_STACK if id(m) not in mine]
     for param in model.parameters():
         for name, value in list(vars(param).items()):
             if name == "_dp_group" or getattr(value, "__self__", None) is param:
