@@ -241,7 +241,6 @@ class Engine:
         forget_run_in_deepspeed_globals(self.model, self.ctx)
 
 
-
 def _bf16_autocast(forward, device_type: str):
     """forward under torch.autocast(bf16): matmuls in bf16 on fp32 parameters, so backward leaves fp32 .grad."""
     def run(*args, **kwargs):

@@ -59,7 +59,8 @@ def rank_env(**extra: str) -> dict:
     return env
 
 
-def _value(run: list[str], key: str, default: str) -> str:
+def override_value(run: list[str], key: str, default: str | None = None) -> str | None:
+    """The value an override list gives `key` (the last one wins, as in Hydra), or `default`."""
     values = [o.split("=", 1)[1] for o in run if o.startswith(f"{key}=")]
     return values[-1] if values else default
 
@@ -67,14 +68,14 @@ def _value(run: list[str], key: str, default: str) -> str:
 def resumes(run: list[str]) -> bool:
     """Whether a run may load a checkpoint (checkpoint.resume other than never: the default is auto). Such a run
     starts in a world of its own: a resume is tested in processes that hold nothing of the run it continues."""
-    return _value(run, "checkpoint.resume", "auto") != "never"
+    return override_value(run, "checkpoint.resume", "auto") != "never"
 
 
 def compiles(run: list[str]) -> bool:
     """Whether a run compiles its blocks (train.compile=true). Such a run starts in a world of its own: dynamo's
     caches live as long as the process (its recompile limit would count other tests' graphs), and the compiled
     graphs it installs in the model's module keep the process groups they captured (worker.check_nothing_left)."""
-    return _value(run, "train.compile", "false").lower() == "true"
+    return override_value(run, "train.compile", "false").lower() == "true"
 
 
 def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900, worker: str = WORKER) -> list[dict]:

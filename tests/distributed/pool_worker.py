@@ -12,6 +12,7 @@ import traceback
 import torch.distributed as dist
 
 from megatron_lite.cli import exit_process
+from tests.distributed.pool import POLL_S
 from tests.distributed.worker import train_spec
 
 
@@ -25,9 +26,9 @@ def serve(inbox: str, client: int) -> int:
         request = os.path.join(inbox, f"{k}.json")
         polls = 0
         while not os.path.exists(request):
-            time.sleep(0.02)
+            time.sleep(POLL_S)
             polls += 1
-            if polls % 50 == 0 and not _alive(client):
+            if polls % 50 == 0 and not _alive(client):  # once a second
                 os._exit(1)
         with open(request) as f:
             spec = json.load(f)

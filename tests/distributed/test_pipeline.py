@@ -20,7 +20,7 @@ import pytest
 from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
 from tests.distributed import pipeline_worker
-from tests.distributed.launcher import run_configs
+from tests.distributed.launcher import override_value, run_configs
 from tests.distributed.ranks import on_ranks
 
 TOL = 1e-4
@@ -44,8 +44,8 @@ def assert_follows(result: dict, reference: dict, tol: float = TOL) -> None:
     assert gap <= tol, f"{what}: max |loss - single| = {gap:.2e}"
     norms = max_relative_diff(result["grad_norms"], reference["grad_norms"])
     assert norms <= tol, f"{what}: grad norms differ from the single process by {norms:.2e} (relative)"
-    run_dir = next(o.split("=", 1)[1] for o in result["overrides"] if o.startswith("run.dir="))
-    ref_dir = next(o.split("=", 1)[1] for o in reference["overrides"] if o.startswith("run.dir="))
+    run_dir = override_value(result["overrides"], "run.dir")
+    ref_dir = override_value(reference["overrides"], "run.dir")
     bubbles = [r.get("bubble") for r in records(run_dir)]
     assert all(b is not None and 0.0 < b < 1.0 for b in bubbles), (what, bubbles)  # logged on every step
     got, want = val_losses(run_dir), val_losses(ref_dir)
