@@ -24,7 +24,7 @@ from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store
 from megatron_lite.checkpoint import weights as checkpoint_weights
-from megatron_lite.checkpoint.writer import AsyncWriter
+from megatron_lite.checkpoint.writer import AsyncWriter, checkpoint_group
 from megatron_lite.config import Config, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
@@ -97,6 +97,8 @@ def _train(cfg: Config) -> dict:
             memory.close()
         # A process that trains again must not keep this run's groups. Only after a run that ended well: after
         # an error the process ends, and shutting down a group whose collective failed can hang on NCCL.
+        if trainer.writer is not None:
+            trainer.writer.close()
         ctx.destroy()
         return summary
     except Exception as err:
@@ -173,7 +175,8 @@ class Trainer:
         self.restarts = restart_count()
         self._announce(resume_path, meta, dtype, peak_source)
         if cfg.checkpoint.async_save:
-            self.writer = AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print)
+            self.writer = AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print,
+                                      checkpoint_group(cfg.dist.timeout_s))
 
     def _build_engine(self, resume_path: str | None, meta: dict | None) -> Engine:
         """This rank's share of the model (from a weights-only checkpoint when resuming one), in its engine."""

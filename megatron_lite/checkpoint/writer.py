@@ -7,9 +7,14 @@ The protocol is the synchronous one (checkpoint.save, checkpoint/store.py), move
    taken too. This is `ckpt_block_s`.
 2. background, per rank: torch.save every staged file, fsync it and its directory, then write this rank's
    manifest share ({file: [size, CRC-32]}) as `.share_rank<r>.json` (atomically).
-3. background, rank 0: wait until every rank's share exists (a rank that failed writes none: rank 0 gives up
-   after dist.timeout_s and commits nothing), write meta.json with the merged manifest, move `latest`, prune.
-   Step 2 to 3 is `ckpt_write_s`.
+3. background, every rank: a monitored barrier on a gloo group of the writers' own (`checkpoint_group`), once
+   its share is written. A rank that died has closed its connections, so the barrier fails at once on the
+   others, and so does their next wait(): the job ends and restarts instead of waiting dist.timeout_s for the
+   share, with the loop blocked in wait() where a stop signal only sets a flag (measured before: rank 0 sat
+   there until torchrun's SIGKILL, 30 s after it was told to stop). A rank that hung times the barrier out.
+4. background, rank 0: wait until every rank's share exists (a rank whose write failed writes none: rank 0
+   gives up after dist.timeout_s and commits nothing), write meta.json with the merged manifest, move `latest`,
+   prune. Steps 2 to 4 are `ckpt_write_s`.
 A crash or SIGKILL anywhere before `latest` moves leaves the previous checkpoint as `latest`; the half-written
 directory has no meta.json, so resume passes it over. At most one save is in flight per rank: the next waits for
 it (and says so), as do a stop signal and the end of training (`wait`), so a run never exits with a save half done.
@@ -18,6 +23,7 @@ The staged copy costs host memory equal to this rank's checkpoint until its writ
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
@@ -25,6 +31,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from megatron_lite.checkpoint import store
@@ -108,8 +115,11 @@ def _share_path(path: str, rank: int) -> str:
 class AsyncWriter:
     """One background save at a time for this rank (see the module docstring)."""
 
-    def __init__(self, rank: int, world: int, commit_timeout_s: float, log: Callable[[str], None]):
+    def __init__(self, rank: int, world: int, commit_timeout_s: float, log: Callable[[str], None], group=None):
+        """group: checkpoint_group()'s, for the barrier of step 3 (None: no barrier, rank 0 only waits for the
+        shares, as in one process that plays several ranks)."""
         self.rank, self.world, self.commit_timeout_s, self.log = rank, world, commit_timeout_s, log
+        self.group = group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.pool = HostPool()  # the staging buffers, back here after each write
@@ -144,6 +154,12 @@ class AsyncWriter:
                                "the previous checkpoint stays `latest`") from error
         return self.write_s
 
+    def close(self) -> None:
+        """Shut down the group (after the last wait(); a gloo group keeps threads until it is shut down)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     def finished(self) -> float | None:
         """The write time of a save that has ended since the last call (None while one runs or none ended)."""
         if self._thread is not None and not self._thread.is_alive():
@@ -161,6 +177,8 @@ class AsyncWriter:
             for dirpath, _, _ in os.walk(path):
                 store.fsync_path(dirpath)
             store.atomic_write(_share_path(path, self.rank), json.dumps(share))
+            if self.group is not None:
+                dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=self.commit_timeout_s))
             if commit is not None:
                 commit(self._gather_shares(path))
             self.write_s = time.perf_counter() - t0
@@ -189,6 +207,15 @@ class AsyncWriter:
             if rel not in manifest:
                 manifest[rel] = store.digest(os.path.join(path, rel))
         return manifest
+
+
+def checkpoint_group(timeout_s: float):
+    """A gloo group of every rank for the writers' barriers, which run in their background threads: a group of
+    their own, as collectives of one group must come in the same order on every rank (called by every rank, like
+    any new_group). None in a world of one."""
+    if dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def remove_shares(path: str) -> None:

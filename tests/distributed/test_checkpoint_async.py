@@ -73,10 +73,14 @@ def test_async_checkpoint_converts_for_another_dp_size(tmp_path):
 
 def test_rank_killed_during_a_background_write(tmp_path):
     """Rank 1's background write of step 4 takes 4 s, then it dies (SIGKILL) mid-file; meanwhile the loop trains
-    on. `latest` stays step 2, step 4 has no meta.json, and the restart continues the straight trajectory."""
+    on. Rank 0's write of step 4 fails at once (its barrier with the dead rank) and ends rank 0 with an error,
+    where it used to wait for rank 1's share until torchrun SIGKILLed it 30 s later. `latest` stays step 2, step 4
+    has no meta.json, and the restart continues the straight trajectory."""
     args = real_corpus_overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1", *ASYNC)
     ckpt = f"{tmp_path}/run/checkpoints"
-    killed_writing_step_4(args, ckpt, SLOW_WRITE_S="4")
+    crashed = killed_writing_step_4(args, ckpt, SLOW_WRITE_S="4")
+    assert "the background write of the checkpoint of step 4 failed" in crashed.stderr, crashed.stderr[-3000:]
+    assert "exitcode  : 1 (" in crashed.stderr, crashed.stderr[-3000:]  # rank 0 ended itself; not -9 (SIGKILL)
     logged = [r["step"] for r in _metrics(f"{tmp_path}/run")]
     assert 5 in logged, f"the loop waited for the write instead of training on: {logged}"
 

@@ -64,9 +64,9 @@ def test_exact_resume_with_tensor_parallel_and_dropout(tmp_path):
 
 
 # `slow` (make test-fast skips it): each feature keeps its cheapest case, or the one covering the most, in the
-def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> None:
+def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> subprocess.CompletedProcess:
     """Run 2 ranks of fault_worker.py, rank 1 SIGKILLed while it writes step 4's checkpoint (env: more fault
-    knobs); the job fails, `latest` stays step 2 and step 4 never commits."""
+    knobs); the job fails, `latest` stays step 2 and step 4 never commits. Returns the job."""
     crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
                              env=rank_env(KILL_RANK="1", KILL_TAG=step_name(4), **env), cwd=ROOT,
                              capture_output=True, text=True, timeout=600)
@@ -74,6 +74,7 @@ def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> None:
     assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
     assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(2))
     assert not os.path.exists(os.path.join(ckpt, step_name(4), "meta.json"))
+    return crashed
 
 
 # quick tier; the other layouts of the same feature run in `make test`.
