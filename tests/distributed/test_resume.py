@@ -63,7 +63,6 @@ def test_exact_resume_with_tensor_parallel_and_dropout(tmp_path):
     assert_continues(resumed, straight, 1e-6, "tp=2 resume")
 
 
-# `slow` (make test-fast skips it): each feature keeps its cheapest case, or the one covering the most, in the
 def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> subprocess.CompletedProcess:
     """Run 2 ranks of fault_worker.py, rank 1 SIGKILLed while it writes step 4's checkpoint (env: more fault
     knobs); the job fails, `latest` stays step 2 and step 4 never commits. Returns the job."""

@@ -250,12 +250,18 @@ def test_sigterm_to_the_group_while_deepspeed_builds_its_op_exits_0(tmp_path):
     assert "start-up was cut short: Error building extension 'deepspeed_shm_comm'" in out, out[-3000:]
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name, which may hold spaces and parentheses: state, ppid, pgrp, session,
+    ... (fields 3 on of proc(5))."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _ninja_running(session: int) -> bool:
     """Whether a ninja process runs in the given session (the run's process group)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = stat_fields(int(pid))
             with open(f"/proc/{pid}/comm") as f:
                 name = f.read().strip()
         except (FileNotFoundError, ProcessLookupError, IndexError):

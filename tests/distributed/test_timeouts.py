@@ -1,8 +1,9 @@
 """A rank that hangs for real (SIGSTOP) mid-run ends the job within dist.step_timeout_s instead of the
 start-up timeout: the other rank's next collective times out and it exits, so torchrun tears the job down and a
-restart can happen (the test kills the stopped rank then, as torchrun would after its 30 s grace); rank 0's last line names rank 1 as the one that stalled (megatron_lite/faults/stalls.py).
-Start-up itself keeps the long dist.timeout_s (the run below starts and trains under a
-5 s steady-state timeout only because that one applies from the second step on)."""
+restart can happen (the test kills the stopped rank then, as torchrun would after its 30 s grace); rank 0's last
+line names rank 1 as the one that stalled (megatron_lite/faults/stalls.py). Start-up itself keeps the long
+dist.timeout_s (the run below starts and trains under a 5 s steady-state timeout only because that one applies
+from the second step on)."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import time
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
-from tests.distributed.test_signals import workers
+from tests.distributed.test_signals import stat_fields, workers
 
 
 def test_hung_rank_ends_the_job_within_the_step_timeout(tmp_path):
@@ -62,7 +63,6 @@ def test_hung_rank_ends_the_job_within_the_step_timeout(tmp_path):
 def _exited(pid: int) -> bool:
     """Whether the process has ended (gone, or a zombie its parent has not reaped yet)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return stat_fields(pid)[0] == "Z"
     except (FileNotFoundError, ProcessLookupError):
         return True
