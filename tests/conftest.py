@@ -1,10 +1,23 @@
 """Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before triton
-is first imported (DeepSpeed imports it too), so it is set here, ahead of every test module."""
+is first imported (DeepSpeed imports it too), so it is set here, ahead of every test module.
+
+DeepSpeed's async I/O op (NVMe offload) takes ~7 minutes to build on 2 cores, longer than the other two CPU ops
+together, and only the tests that ask for the `async_io_op` fixture need it. So `make test` does not build it up
+front: when such a test is selected, the session moves it to the end and builds the op meanwhile on the cores'
+idle time (tools/build_ops.py --idle; the test runs keep the cores busy ~75% of the time). The fixture waits for
+that build."""
 
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+from typing import IO
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_async_io_build: tuple[subprocess.Popen, IO[bytes]] | None = None
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -22,3 +35,35 @@ def _session_scratch():
     clean_shared_memory()  # the DeepSpeed buffers the pool's ranks held
 
     shutil.rmtree(SCRATCH, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected what they deselect
+def pytest_collection_modifyitems(config, items):
+    global _async_io_build
+    late = [item for item in items if "async_io_op" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in late] + late
+    if not late or config.option.collectonly:
+        return
+    log = tempfile.TemporaryFile()
+    build = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "build_ops.py"), "--idle", "AsyncIOBuilder"],
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _async_io_build = build, log
+
+
+@pytest.fixture(scope="session")
+def async_io_op():
+    """DeepSpeed's async I/O op, built: waits for the build this session started in the background."""
+    if _async_io_build is None:  # the test was not among the collected ones (e.g. run by node id from a plugin)
+        return
+    build, log = _async_io_build
+    returncode = build.wait(timeout=1800)
+    log.seek(0)
+    assert returncode == 0, f"building DeepSpeed's async I/O op failed:\n{log.read().decode(errors='replace')[-4000:]}"
+
+
+def pytest_sessionfinish(session):
+    """A background build the session no longer needs (its test failed to be reached, or Ctrl-C) is stopped
+    cleanly: build_ops turns SIGTERM into an exit that releases torch's build lock."""
+    if _async_io_build is not None and _async_io_build[0].poll() is None:
+        _async_io_build[0].terminate()
+        _async_io_build[0].wait(timeout=120)

@@ -71,9 +71,9 @@ def _async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
-@pytest.mark.slow  # without `make ops` first, the first run on a machine builds DeepSpeed's async_io op (~3 min)
+@pytest.mark.slow  # its op builds in the background while the other tests run (tests/conftest.py)
 @pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
-def test_nvme_offload_matches_no_offload(reference, tmp_path):
+def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
     """Optimizer states on NVMe (stage 2), and optimizer states plus parameters on NVMe (stage 3), through
     DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (repairs.honour_explicit_zero3_dtype):
     without it the swapped embedding came back rounded to bf16 and the losses drifted by 2.3e-4."""
