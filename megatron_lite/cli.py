@@ -64,7 +64,12 @@ def compose_config(overrides: list[str]) -> DictConfig:
 def load(overrides: list[str], world_size: int | None = None) -> Config:
     """Compose and check (validation.check); world_size defaults to torchrun/Slurm's WORLD_SIZE (1 for
     `python train.py`)."""
-    cfg = OmegaConf.to_object(compose_config(overrides))
+    return checked(compose_config(overrides), world_size)
+
+
+def checked(composed: DictConfig, world_size: int | None = None) -> Config:
+    """A composed config as the typed Config, checked (load's second half)."""
+    cfg = OmegaConf.to_object(composed)
     cfg.optim.betas = tuple(cfg.optim.betas)
     check(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
     return cfg
