@@ -29,6 +29,7 @@ from megatron_lite.config import Config, repo_path
 from megatron_lite.data.dataset import TokenData, WindowDataset
 from megatron_lite.data.sampler import MicroBatches, val_batches
 from megatron_lite.engine import Engine, StepOutcome
+from megatron_lite.engine.build_locks import clear_stale_build_locks
 from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
 from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, restore_functional_linear
 from megatron_lite.errors import RunError
@@ -87,6 +88,7 @@ def run(cfg: Config) -> dict:
 def _train(cfg: Config) -> dict:
     trainer = None
     try:
+        clear_stale_build_locks()  # before DeepSpeed loads its ops: a killed build's lock would hang us forever
         init_distributed(cfg.dist.timeout_s)
         ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts

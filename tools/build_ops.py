@@ -13,7 +13,8 @@ Elsewhere (a CUDA machine) DeepSpeed's ops are not ours to build: it says so and
 --idle puts the build under Linux's SCHED_IDLE policy (inherited by ninja and the compilers): it runs only when a
 core has nothing else to do. The test session builds the async I/O op that way beside the first tests
 (tests/conftest.py). SIGTERM stops a build cleanly: torch's build lock is released, so a later run does not wait
-on it forever.
+on it forever; the lock of a build killed outright (SIGKILL) is found and removed first
+(megatron_lite/engine/build_locks.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from deepspeed.accelerator import get_accelerator
 
+    from megatron_lite.engine.build_locks import clear_stale_build_locks
+
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         print(f"build_ops: DeepSpeed's accelerator is {accelerator.device_name()}, not cpu; nothing to build")
         return 0
+    clear_stale_build_locks(say=lambda line: print(f"build_ops: {line}", flush=True))
     for name in args.ops or OPS:
         builder = accelerator.create_op_builder(name)
         if not builder.is_compatible(verbose=False):

@@ -72,6 +72,7 @@ def _async_io_available() -> bool:
 
 
 @pytest.mark.slow  # its op builds in the background while the other tests run (tests/conftest.py)
+@pytest.mark.timeout(1500)  # the wait for that build (conftest.BUILD_WAIT_S), then the test
 @pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
 def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
     """Optimizer states on NVMe (stage 2), and optimizer states plus parameters on NVMe (stage 3), through
