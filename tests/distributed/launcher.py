@@ -78,23 +78,35 @@ def compiles(run: list[str]) -> bool:
     return override_value(run, "train.compile", "false").lower() == "true"
 
 
+def _spec(path: str, runs: list[list[str]]) -> str:
+    """Write worker.py's spec file (the runs, and where rank 0 puts their summaries); return its path."""
+    with open(path, "w") as f:
+        json.dump({"runs": runs, "out": path.replace(".json", ".out.json")}, f)
+    return path
+
+
+def _summaries(spec: str) -> list[dict]:
+    with open(spec.replace(".json", ".out.json")) as f:
+        return json.load(f)
+
+
 def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900, worker: str = WORKER) -> list[dict]:
     """Train each override list in one `nproc`-rank torchrun world; return rank 0's summaries (`worker`: a script
-    that takes worker.py's spec file). worker.py's own specs go to the session's pool world of that size, unless a
-    run resumes or compiles."""
+    that takes worker.py's spec file). worker.py's own specs go to the session's pool worlds of that size, unless a
+    run resumes or compiles; one-rank runs use one of the two cores, so two pool worlds train the two halves of
+    the list at once."""
     from tests.distributed import pool
 
-    spec = os.path.join(tmp_path, f"spec_{nproc}_{len(os.listdir(tmp_path))}.json")
-    out = spec.replace(".json", ".out.json")
-    with open(spec, "w") as f:
-        json.dump({"runs": runs, "out": out}, f)
+    name = os.path.join(tmp_path, f"spec_{nproc}_{len(os.listdir(tmp_path))}")
     if worker == WORKER and pool.enabled() and not any(resumes(r) or compiles(r) for r in runs):  # pool.py
+        cut = (len(runs) + 1) // 2 if nproc == 1 else len(runs)
+        specs = [_spec(f"{name}.{i}.json", part) for i, part in enumerate((runs[:cut], runs[cut:])) if part]
         try:
-            pool.run(nproc, spec, timeout)
+            pool.run(nproc, specs, timeout)
         finally:
             clean_shared_memory()
-        with open(out) as f:
-            return json.load(f)
+        return [summary for spec in specs for summary in _summaries(spec)]
+    spec = _spec(f"{name}.json", runs)
     try:
         proc = subprocess.run(torchrun_cmd(nproc, worker, spec), env=rank_env(), cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout)
@@ -102,5 +114,4 @@ def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900,
         clean_shared_memory()
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return _summaries(spec)

@@ -51,25 +51,31 @@ class World:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, spec: str, timeout: float) -> None:
-        """Train `spec` (worker.py's spec file) on this world; raise AssertionError with the output if it fails."""
+    def submit(self, spec: str) -> int:
+        """Ask the world to train `spec` (worker.py's spec file); returns the request's number for `wait`."""
         k, self.next = self.next, self.next + 1
-        offset = os.path.getsize(self.log_path)
         request = os.path.join(self.inbox, f"{k}.json")
         with open(request + ".tmp", "w") as f:
             json.dump({"spec": spec}, f)
         os.rename(request + ".tmp", request)  # a worker never reads half a request
-        done, deadline = os.path.join(self.inbox, f"{k}.done"), time.monotonic() + timeout
+        return k
+
+    def wait(self, k: int, offset: int, deadline: float) -> None:
+        """Wait for request `k`; raise AssertionError with the world's output since `offset` if it fails."""
+        done = os.path.join(self.inbox, f"{k}.done")
         while not os.path.exists(done):
             failed = self._failure(k)
             if failed or time.monotonic() > deadline:
                 self.close(force=True)
-                why = failed or f"no answer within {timeout} s"
+                why = failed or "no answer in time"
                 with open(self.log_path, errors="replace") as f:
                     f.seek(offset)
                     output = f.read()[-8000:]
                 raise AssertionError(f"pool world of {self.nproc}: {why}\n{output}")
             time.sleep(POLL_S)
+
+    def output_size(self) -> int:
+        return os.path.getsize(self.log_path)
 
     def _failure(self, k: int) -> str | None:
         errors = sorted(f for f in os.listdir(self.inbox) if f.startswith(f"{k}.error."))
@@ -104,14 +110,30 @@ class World:
         self.log.close()
 
 
-_worlds: dict[int, World] = {}
+# (world size, lane): lane 1 is a second one-rank world, so that two one-rank specs train at once on two cores
+_worlds: dict[tuple[int, int], World] = {}
 
 
-def run(nproc: int, spec: str, timeout: float) -> None:
-    world = _worlds.get(nproc)
+def _world(nproc: int, lane: int) -> World:
+    world = _worlds.get((nproc, lane))
     if world is None or not world.alive():
-        world = _worlds[nproc] = World(nproc)
-    world.run(spec, timeout)
+        world = _worlds[nproc, lane] = World(nproc)
+    return world
+
+
+def run(nproc: int, specs: list[str], timeout: float) -> None:
+    """Train each spec on its own lane's world of `nproc` ranks, all at once; wait for all of them. A failure
+    ends the failed world and every other world of this call (what they still run is not waited for)."""
+    worlds = [_world(nproc, lane) for lane in range(len(specs))]
+    deadline = time.monotonic() + timeout
+    started = [(world, world.output_size(), world.submit(spec)) for world, spec in zip(worlds, specs)]
+    try:
+        for world, offset, k in started:
+            world.wait(k, offset, deadline)
+    except AssertionError:
+        for world in worlds:
+            world.close(force=True)
+        raise
 
 
 def close_all() -> None:
