@@ -62,7 +62,11 @@ def _remove_if_stale(lock: str, quiet_s: float) -> str:
     """'gone', 'held' (someone here has it open), 'busy' (no holder here, but its folder changed within quiet_s:
     wait and look again) or 'removed'."""
     folder = os.path.dirname(lock)
-    with open(os.path.join(folder, _TURN), "a") as turn:
+    try:
+        turn = open(os.path.join(folder, _TURN), "a")
+    except OSError:  # a folder we may not write to: we could not remove its lock either; torch decides
+        return "held"
+    with turn:
         fcntl.flock(turn, fcntl.LOCK_EX)
         try:
             first = os.stat(lock)
@@ -82,7 +86,9 @@ def _remove_if_stale(lock: str, quiet_s: float) -> str:
 def clear_stale_build_locks(root: str | None = None, quiet_s: float = QUIET_S, say=print) -> list[str]:
     """Remove the stale locks under `root` (default: torch's extension cache), waiting while a lock with no
     holder here has a build folder that is still changing. Returns the locks removed. Locks that a process here
-    holds are left: torch waits for them itself."""
+    holds are left: torch waits for them itself, as it does for every lock on a machine without /proc."""
+    if not os.path.isdir("/proc"):  # no way to see a lock's holders here (not Linux): leave every lock to torch
+        return []
     root = root or extensions_root()
     removed, told = [], set()
     pending = glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
@@ -91,7 +97,7 @@ def clear_stale_build_locks(root: str | None = None, quiet_s: float = QUIET_S, s
         for lock in pending:
             outcome = _remove_if_stale(os.path.realpath(lock), quiet_s)
             if outcome == "removed":
-                say(f"removed a stale build lock {lock}: no process has it open and its build stopped "
+                say(f"removed a stale build lock {lock}: no process here has it open and its build stopped "
                     f"{time.time() - _last_change(os.path.dirname(lock)):.0f} s ago (a killed build); it will be rebuilt")
                 removed.append(lock)
             elif outcome == "busy":
