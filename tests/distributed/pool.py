@@ -51,14 +51,16 @@ class World:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def submit(self, spec: str) -> int:
-        """Ask the world to train `spec` (worker.py's spec file); returns the request's number for `wait`."""
+    def submit(self, spec: str) -> tuple[int, int]:
+        """Ask the world to train `spec` (worker.py's spec file); returns the request's number and where its output
+        starts in the world's log, for `wait`."""
         k, self.next = self.next, self.next + 1
+        offset = os.path.getsize(self.log_path)
         request = os.path.join(self.inbox, f"{k}.json")
         with open(request + ".tmp", "w") as f:
             json.dump({"spec": spec}, f)
         os.rename(request + ".tmp", request)  # a worker never reads half a request
-        return k
+        return k, offset
 
     def wait(self, k: int, offset: int, deadline: float) -> None:
         """Wait for request `k`; raise AssertionError with the world's output since `offset` if it fails."""
@@ -73,9 +75,6 @@ class World:
                     output = f.read()[-8000:]
                 raise AssertionError(f"pool world of {self.nproc}: {why}\n{output}")
             time.sleep(POLL_S)
-
-    def output_size(self) -> int:
-        return os.path.getsize(self.log_path)
 
     def _failure(self, k: int) -> str | None:
         errors = sorted(f for f in os.listdir(self.inbox) if f.startswith(f"{k}.error."))
@@ -126,9 +125,9 @@ def run(nproc: int, specs: list[str], timeout: float) -> None:
     ends the failed world and every other world of this call (what they still run is not waited for)."""
     worlds = [_world(nproc, lane) for lane in range(len(specs))]
     deadline = time.monotonic() + timeout
-    started = [(world, world.output_size(), world.submit(spec)) for world, spec in zip(worlds, specs)]
+    started = [(world, *world.submit(spec)) for world, spec in zip(worlds, specs)]
     try:
-        for world, offset, k in started:
+        for world, k, offset in started:
             world.wait(k, offset, deadline)
     except AssertionError:
         for world in worlds:
