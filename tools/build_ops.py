@@ -12,8 +12,9 @@ Elsewhere (a CUDA machine) DeepSpeed's ops are not ours to build: it says so and
 
 --idle puts the build under Linux's SCHED_IDLE policy (inherited by ninja and the compilers): it runs only when a
 core has nothing else to do. The test session builds the async I/O op that way beside the first tests
-(tests/conftest.py). SIGTERM stops a build cleanly: torch's build lock is released, so a later run does not wait
-on it forever; the lock of a build killed outright (SIGKILL) is found and removed first
+(tests/conftest.py). SIGTERM stops a build cleanly: the compilers stop with it (ninja starts each in a process
+group of its own, so they would otherwise run on to the end of their files, orphaned) and torch's build lock is
+released, so a later run does not wait on it forever; the lock of a build killed outright (SIGKILL) is found and removed first
 (megatron_lite/engine/build_locks.py).
 """
 
@@ -27,7 +28,30 @@ import time
 OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc (children before grandchildren)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 def _stop(signum, frame):
+    for pid in _descendants(os.getpid()):  # ninja and its compile jobs, before ninja's end orphans the jobs
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
     raise SystemExit(128 + signum)  # unwinds torch's build, whose `finally` removes its lock file
 
 
