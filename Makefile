@@ -62,7 +62,8 @@ ops: install system-deps
 	$(PY) tools/build_ops.py
 
 # The tests build the two ops that tests need from the start; the test session builds the async I/O op (7 of
-# the 10 minutes, needed by the NVMe test alone) on the cores' idle time while the other tests run (tests/conftest.py).
+# the 10 minutes, needed by the NVMe test alone) on the cores' idle time while the other tests run, as it runs the
+# offline install's steps (tests/conftest.py).
 test-ops: install system-deps
 	$(PY) tools/build_ops.py ShareMemCommBuilder CPUAdamBuilder
 
