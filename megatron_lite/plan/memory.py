@@ -90,8 +90,15 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
         rerun = sum(1 for i in spec.layers if i in recomputed)
         held = rerun * input_only + (len(spec.layers) - rerun) * full_layer
         layer_t = A.layer_backward_transient(cfg, x) if spec.layers else 0
-        if rerun:  # the rerun rebuilds one layer's activations during its backward
-            layer_t += full_layer
+        # A rerun rebuilds one layer's activations during its backward. The backward runs the chunk's layers last to
+        # first, each freeing what it held, so a rerun layer rebuilds them once the layers above it are gone: with
+        # train.recompute_every=2 and the top layer kept whole, the layer below rebuilds into the room it freed.
+        above, rebuilt = 0, 0
+        for i in reversed(spec.layers):
+            if i in recomputed:
+                rebuilt = max(rebuilt, full_layer - above)
+            above += input_only if i in recomputed else full_layer
+        layer_t += rebuilt
         released = 0
         if spec.has_embedding:
             held += A.embedding_saved(cfg, x)
