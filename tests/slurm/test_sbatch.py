@@ -11,6 +11,7 @@
 Every step the three jobs log has the loss of the uninterrupted job's same step (1e-6: exact resume, the same
 ranks and layout), and the checkpoints on disk are the ones the runs committed."""
 
+import functools
 import os
 import re
 import signal
@@ -63,9 +64,17 @@ def assert_checkpoints(run_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tmp_path_factory):
+    """The uninterrupted job, submitted when the first test asks for it; calling the fixture's value waits for it
+    (run dir, records, output). Each node has 4 CPUs and a job takes one, so it trains beside that test's own job:
+    both wait on Slurm and on start-up most of the time (measured: the cores ~60% busy over these tests)."""
     run_dir = str(tmp_path_factory.mktemp("sbatch") / "straight")
-    records, out = finish(cluster, submit(cluster, run_dir), run_dir)
-    return run_dir, records, out
+    job = submit(cluster, run_dir)
+
+    @functools.cache
+    def result() -> tuple[str, list[dict], str]:
+        return run_dir, *finish(cluster, job, run_dir)
+
+    return result
 
 
 def losses_match(records: list[dict], reference: list[dict]) -> None:
@@ -74,15 +83,7 @@ def losses_match(records: list[dict], reference: list[dict]) -> None:
     assert worst <= 1e-6, f"a resumed step's loss differs from the uninterrupted job's by {worst:.2e}"
 
 
-def test_a_job_trains_to_its_last_step(uninterrupted):
-    run_dir, records, out = uninterrupted
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), out[-3000:]
-    assert "2 node(s) x 1 task(s)" in out and "requeueing" not in out, out[-3000:]
-    assert all(r["restarts"] == 0 for r in records)
-    assert_checkpoints(run_dir)
-
-
-@pytest.mark.slow
+@pytest.mark.slow  # first: its job trains beside the uninterrupted one (the fixture)
 def test_usr1_checkpoints_requeues_and_resumes(cluster, uninterrupted, tmp_path):
     run_dir = str(tmp_path / "usr1")
     job = submit(cluster, run_dir)
@@ -94,7 +95,15 @@ def test_usr1_checkpoints_requeues_and_resumes(cluster, uninterrupted, tmp_path)
     # every step once, in order, across the requeue; the steps after the stop come from the requeued run
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), out[-3000:]
     assert {r["restarts"] for r in records if r["step"] > int(stop.group(1))} == {1}
-    losses_match(records, uninterrupted[1])
+    losses_match(records, uninterrupted()[1])
+    assert_checkpoints(run_dir)
+
+
+def test_a_job_trains_to_its_last_step(uninterrupted):
+    run_dir, records, out = uninterrupted()
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), out[-3000:]
+    assert "2 node(s) x 1 task(s)" in out and "requeueing" not in out, out[-3000:]
+    assert all(r["restarts"] == 0 for r in records)
     assert_checkpoints(run_dir)
 
 
@@ -113,7 +122,7 @@ def test_a_killed_rank_is_requeued_and_resumes(cluster, uninterrupted, tmp_path)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), [r["step"] for r in records]
     resumed = next(r["step"] for r in records if r["restarts"] > 0)
     assert (resumed - 1) % INTERVAL == 0 and resumed - 1 >= INTERVAL, records
-    losses_match(records, uninterrupted[1])
+    losses_match(records, uninterrupted()[1])
     assert_checkpoints(run_dir)
 
 
@@ -141,4 +150,4 @@ def test_scancel_checkpoints_and_ends_the_job_for_good(cluster, uninterrupted, t
     assert stopped < STEPS and [r["step"] for r in records] == list(range(1, stopped + 1)), out[-3000:]
     root = os.path.join(run_dir, "checkpoints")
     assert latest_checkpoint(root) == os.path.join(root, step_name(stopped))
-    losses_match(records, uninterrupted[1])
+    losses_match(records, uninterrupted()[1])
