@@ -100,6 +100,9 @@ def pytest_sessionfinish(session):
     compilers and releases torch's build lock; pip and make end. The offline install's folder goes."""
     for job, _ in _background.values():
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGTERM)
+            try:
+                os.killpg(job.pid, signal.SIGTERM)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
             job.wait(timeout=120)
     shutil.rmtree(OFFLINE_INSTALL, ignore_errors=True)
