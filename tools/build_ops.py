@@ -14,8 +14,8 @@ Elsewhere (a CUDA machine) DeepSpeed's ops are not ours to build: it says so and
 core has nothing else to do. The test session builds the async I/O op that way beside the first tests
 (tests/conftest.py). SIGTERM stops a build cleanly: the compilers stop with it (ninja starts each in a process
 group of its own, so they would otherwise run on to the end of their files, orphaned) and torch's build lock is
-released, so a later run does not wait on it forever; the lock of a build killed outright (SIGKILL) is found and removed first
-(megatron_lite/engine/build_locks.py).
+released, so a later run does not wait on it forever; the lock of a build killed outright (SIGKILL) is found and
+removed first (megatron_lite/engine/build_locks.py).
 """
 
 from __future__ import annotations
@@ -28,26 +28,10 @@ import time
 OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid`, read from /proc (children before grandchildren)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
-        except (OSError, IndexError, ValueError):  # ended meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
 def _stop(signum, frame):
-    for pid in _descendants(os.getpid()):  # ninja and its compile jobs, before ninja's end orphans the jobs
+    from megatron_lite.engine.build_locks import descendants
+
+    for pid in descendants(os.getpid()):  # ninja and its compile jobs, before ninja's end orphans the jobs
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -46,6 +46,30 @@ def holders(path: str) -> list[int]:
     return found
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name, which may hold spaces and parentheses: state, ppid, pgrp, session,
+    ... (fields 3 on of proc(5))."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (a build's ninja and its compile jobs), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(stat_fields(int(entry))[1])
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 def _last_change(folder: str) -> float:
     times = []
     for entry in os.scandir(folder):

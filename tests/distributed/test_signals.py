@@ -27,6 +27,7 @@ import time
 import pytest
 
 from megatron_lite.checkpoint import store
+from megatron_lite.engine.build_locks import stat_fields
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
@@ -248,13 +249,6 @@ def test_sigterm_to_the_group_while_deepspeed_builds_its_op_exits_0(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert "start-up was cut short: Error building extension 'deepspeed_shm_comm'" in out, out[-3000:]
-
-
-def stat_fields(pid: int) -> list[str]:
-    """/proc/<pid>/stat after the command name, which may hold spaces and parentheses: state, ppid, pgrp, session,
-    ... (fields 3 on of proc(5))."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
 
 
 def _ninja_running(session: int) -> bool:

@@ -12,10 +12,11 @@ import signal
 import subprocess
 import time
 
+from megatron_lite.engine.build_locks import stat_fields
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
-from tests.distributed.test_signals import stat_fields, workers
+from tests.distributed.test_signals import workers
 
 
 def test_hung_rank_ends_the_job_within_the_step_timeout(tmp_path):
