@@ -25,6 +25,10 @@ import venv
 from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tools.wheelhouse import requirements  # noqa: E402  (the markers evaluated as the wheelhouse does)
+
 UNREACHABLE = "http://127.0.0.1:9"  # nothing listens there: any download fails at once
 # what the clone's environment must import: the product and what it runs on
 IMPORTS = "import deepspeed, hydra, omegaconf, wandb, datasets, transformers, rich, megatron_lite.training"
@@ -32,18 +36,13 @@ IMPORTS = "import deepspeed, hydra, omegaconf, wandb, datasets, transformers, ri
 
 def _requirement_closure(name: str) -> set[str]:
     """Distributions `name` needs at run time here (markers evaluated, extras ignored), itself included."""
-    from packaging.requirements import Requirement
-
     seen, todo = set(), [name]
     while todo:
         dist = metadata.distribution(todo.pop())
         if dist.metadata["Name"] in seen:
             continue
         seen.add(dist.metadata["Name"])
-        for line in dist.requires or []:
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+        todo += requirements(dist, set())
     return seen
 
 
