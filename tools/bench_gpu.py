@@ -61,7 +61,8 @@ MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names;
 # ours-<parts>: auto (the default), torch or triton kernels, compile (train.compile=true), zero1 (zero.stage=1), in
 # any combination; ours-auto is the trainer as `train.py` runs it by default. The baselines come right after it,
 # so that a run cut short by its time budget still has every ratio of what it measured. Not run by default:
-# accum<m> and recast (side_overrides), e.g. --sides ours-accum4,ours-accum4-recast.
+# accum<m> and recast (side_overrides), e.g. --sides ours-accum4,ours-accum4-recast, and global<n> on any side
+# (global_batch), e.g. --sides ours-compile-global16,compiled-global16.
 SIDES = ("ours-auto", "hf", "compiled", "ours-compile", "ours-torch", "ours-triton", "ours-zero1",
          "ours-zero1-compile")
 BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
@@ -115,19 +116,29 @@ def _model_cfg(preset: str, seq: int):
     return OmegaConf.to_object(compose_config([f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0"])).model
 
 
+def global_batch(side: str, micro: int) -> int:
+    """Sequences a step of `side` trains: `micro` (the model's shape), or n for a global<n> part, which
+    accumulates gradients over n / micro micro-batches of the model's shape before one optimizer step (any side,
+    the baselines too): how a real run amortizes the optimizer step and the clip over a global batch."""
+    n = [int(p[6:]) for p in side.split("-")[1:] if p.startswith("global") and p[6:].isdigit()]
+    assert len(n) <= 1 and (not n or n[0] % micro == 0), f"{side}: {n} sequences are not whole micro-batches of {micro}"
+    return n[0] if n else micro
+
+
 def side_overrides(preset: str, micro: int, seq: int, side: str) -> tuple[list[str], bool]:
     """The config of an ours-<parts> side, and whether it recasts. Parts beyond the kernels, compile and zero1:
     accum<m> runs the same tokens a step as m micro-batches of micro/m (gradient accumulation); recast takes
     back one_copy_per_step, so every micro-batch casts the weights to bf16 again (autocast's own cache, as before
-    0b63767): the baseline that accum<m> is compared with."""
-    parts = set(side.split("-")[1:])
+    0b63767): the baseline that accum<m> is compared with; global<n> (global_batch) trains n sequences a step."""
+    glob = global_batch(side, micro)
+    parts = {p for p in side.split("-")[1:] if not (p.startswith("global") and p[6:].isdigit())}
     accum = [p for p in parts if p.startswith("accum") and p[5:].isdigit()]
     assert parts - set(accum) <= {"auto", "torch", "triton", "compile", "zero1", "recast"}, f"unknown side {side}"
     m = int(accum[0][5:]) if accum else 1
     assert len(accum) <= 1 and micro % m == 0, f"{side}: {micro} sequences do not split into {m} micro-batches"
     backend = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
     return [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro // m}",
-            f"train.global_batch_size={micro}", "train.precision=bf16", "logging.wandb.mode=disabled",
+            f"train.global_batch_size={glob}", "train.precision=bf16", "logging.wandb.mode=disabled",
             f"kernels.backend={backend}", f"train.compile={'true' if 'compile' in parts else 'false'}",
             f"zero.stage={1 if 'zero1' in parts else 0}"], "recast" in parts
 
@@ -160,36 +171,37 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     return cfg.model, lambda: engine.train_step(batches, cfg.optim.lr, 1)
 
 
-def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool):
+def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool, accumulate: int = 1):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    batch = torch.randint(0, vocab, (micro, seq + 1), device="cuda")
+    batches = [torch.randint(0, vocab, (micro, seq + 1), device="cuda") for _ in range(accumulate)]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if lm_shift:  # HF shifts the labels itself
-                loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
-            else:
-                loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
+        for batch in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if lm_shift:  # HF shifts the labels itself
+                    loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+                else:
+                    loss = model(batch[:, :-1], batch[:, 1:])
+            (loss / accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
 
 
-def _hf(model_cfg, micro: int, seq: int):
+def _hf(model_cfg, micro: int, seq: int, accumulate: int):
     from tools.bench_throughput import hf_gpt2
 
     with torch.device("cuda"):  # initialised on the GPU: a 1.3B model's init on the host takes a minute
         model = hf_gpt2(model_cfg, torch.device("cuda"), torch.float32)
-    return _plain_loop(model, micro, seq, model_cfg.vocab_size, True)
+    return _plain_loop(model, micro, seq, model_cfg.vocab_size, True, accumulate)
 
 
-def _compiled(model_cfg, micro: int, seq: int):
+def _compiled(model_cfg, micro: int, seq: int, accumulate: int):
     m = model_cfg
     with torch.device("cuda"):
         model = MinimalGPT(m.vocab_size, seq, m.d_model, m.n_heads, m.n_layers)
-    return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False)
+    return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False, accumulate)
 
 
 def device_seconds(events) -> float:
@@ -229,8 +241,11 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
     if side.startswith("ours"):
         model_cfg, step = _ours(preset, micro, seq, side)
     else:
+        base, accumulate = side.split("-")[0], global_batch(side, micro) // micro
+        known = base in ("hf", "compiled") and side in (base, f"{base}-global{micro * accumulate}")
+        assert known, f"unknown side {side}"
         model_cfg = _model_cfg(preset, seq)
-        step = _hf(model_cfg, micro, seq) if side == "hf" else _compiled(model_cfg, micro, seq)
+        step = (_hf if base == "hf" else _compiled)(model_cfg, micro, seq, accumulate)
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # config, model, optimizer
     for _ in range(warmup):
@@ -248,10 +263,11 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
     step_s = statistics.median(times)
     if profile_dir:
         profile(step, os.path.join(profile_dir, f"prof_{preset}_{side}.txt"))
-    tokens = micro * seq
+    tokens = global_batch(side, micro) * seq
     peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
     tflops = model_flops_per_token(model_cfg, seq) * tokens / step_s
-    return {"model": preset, "side": side, "micro_batch": micro, "seq_len": seq, "step_s": round(step_s, 5),
+    return {"model": preset, "side": side, "micro_batch": micro, "global_batch": global_batch(side, micro),
+            "seq_len": seq, "step_s": round(step_s, 5),
             "step_s_spread": round((max(times) - min(times)) / step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
             "tflops": round(tflops / 1e12, 1), "mfu": round(tflops / peak, 4), "peak_source": source,
             "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "setup_s": round(setup_s, 1),

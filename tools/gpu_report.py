@@ -23,17 +23,24 @@ def markdown(record: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | | {r['side']} | failed: {r['error'][:120]} | | | | | | |")
             continue
-        base = {b["side"]: b for b in record["throughput"] if b["model"] == r["model"] and "error" not in b}
-        ratio = lambda side: f"{r['tokens_per_s'] / base[side]['tokens_per_s']:.2f}x" if side in base else "-"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['side']} | {1e3 * r['step_s']:.1f} | "
+        # against the baselines at the same global batch (a side with global<n> against hf-global<n>, ...)
+        glob = r.get("global_batch", r["micro_batch"])
+        base = {b["side"]: b for b in record["throughput"] if b["model"] == r["model"] and "error" not in b
+                and b.get("global_batch", b["micro_batch"]) == glob}
+        suffix = f"-global{glob}" if glob != r["micro_batch"] else ""
+        ratio = lambda side: (f"{r['tokens_per_s'] / base[side + suffix]['tokens_per_s']:.2f}x"  # noqa: E731
+                              if side + suffix in base else "-")
+        shape = f"{r['micro_batch']} x {r['seq_len']}" + (f", {glob // r['micro_batch']} a step" if suffix else "")
+        lines.append(f"| {r['model']} | {shape} | {r['side']} | {1e3 * r['step_s']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['mem_peak_gib']:.1f} | "
                      f"{ratio('hf')} | {ratio('compiled')} |")
     lines += ["", "Sides: ours-* = our model + DeepSpeed engine (zero.stage=0: fp32 weights under bf16 autocast) with "
               "kernels.backend=auto (the default) unless named: -torch / -triton; -compile = train.compile=true; "
               "-zero1 = zero.stage=1 (bf16 weights, fp32 master weights and gradient accumulation in DeepSpeed); hf = transformers GPT2LMHeadModel (SDPA) with fp32 "
               "weights under bf16 autocast and fused AdamW; compiled = a minimal nanoGPT-style GPT, torch.compile'd, "
-              "fp32 weights under bf16 autocast, fused AdamW. Median step of the timed steps after warm-up, each side "
-              "in a fresh process."]
+              "fp32 weights under bf16 autocast, fused AdamW; -global<n>: n sequences a step, gradients accumulated "
+              "over n / b micro-batches of the shape shown before one optimizer step. Median step of the timed steps "
+              "after warm-up, each side in a fresh process."]
     k = record.get("kernels")
     if k:
         nan = float("nan")

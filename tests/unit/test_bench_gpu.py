@@ -23,9 +23,10 @@ def test_every_committed_record_renders(path):
         record = json.load(f)
     text = gpu_report.markdown(record)
     for r in record["throughput"]:  # one table row per case, measured or failed
-        head = f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['side']} |" if "error" not in r \
+        head = f"| {r['model']} | {r['micro_batch']} x {r['seq_len']}" if "error" not in r \
             else f"| {r['model']} | | {r['side']} | failed"
-        assert text.count(head) == 1, (head, text)
+        rows = [line for line in text.splitlines() if line.startswith(head) and f" | {r['side']} |" in line]
+        assert len(rows) == 1, (head, text)
     for reached in record.get("not_reached", []):
         assert reached in text
 
@@ -121,3 +122,31 @@ def test_accumulation_sides_split_the_same_tokens_into_micro_batches():
         bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-accum3")
     with pytest.raises(AssertionError, match="unknown side"):
         bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-accum")
+
+
+def test_global_batch_sides_accumulate_and_compare_with_baselines_at_the_same_batch():
+    """A global<n> side trains n sequences a step in micro-batches of the model's shape; its table row names the
+    micro-batches a step and its ratios are against the baselines at the same global batch."""
+    overrides, _ = bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-compile-global16")
+    assert "train.micro_batch_size=4" in overrides and "train.global_batch_size=16" in overrides
+    assert "train.compile=true" in overrides
+    assert bench_gpu.global_batch("compiled-global16", 4) == 16 and bench_gpu.global_batch("compiled", 4) == 4
+    with pytest.raises(AssertionError, match="not whole micro-batches"):
+        bench_gpu.global_batch("ours-global6", 4)
+    with pytest.raises(AssertionError, match="unknown side"):
+        bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-globalx")
+
+    def row(side, tokens_per_s, glob=4):
+        return {"model": "gpt-1.3b", "side": side, "micro_batch": 4, "global_batch": glob, "seq_len": 2048,
+                "step_s": 0.1, "tokens_per_s": tokens_per_s, "tflops": 1.0, "mfu": 0.5, "mem_peak_gib": 1.0}
+
+    record = {"device": "GPU", "date": "d", "commit": "c", "torch": "t", "triton": "t", "peak_tflops": 989.0,
+              "ceilings": {"copy_GBps": 1.0, "matmul_bf16_tflops": 1.0},
+              "tests": {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": []},
+              "throughput": [row("compiled", 100.0), row("ours-compile-global16", 150.0, 16),
+                             row("compiled-global16", 120.0, 16), row("ours-compile", 90.0)]}
+    lines = gpu_report.markdown(record).splitlines()
+    glob_row = next(line for line in lines if "| ours-compile-global16 |" in line)
+    assert glob_row.startswith("| gpt-1.3b | 4 x 2048, 4 a step |") and glob_row.endswith("| - | 1.25x |"), glob_row
+    plain_row = next(line for line in lines if "| ours-compile |" in line)
+    assert plain_row.endswith("| - | 0.90x |"), plain_row
