@@ -52,6 +52,7 @@ class MicroShape:
     dropout: bool
     stats: int = 4    # bytes of a LayerNorm statistic: fp32 on a GPU, the input's dtype on a CPU
     math: int = 4     # bytes per element of the math attention path's tensors (CPU: fp32 whatever the input)
+    f32_wgrad: bool = False  # a CPU under autocast: a linear's fp32 weight gradient multiplies fp32 copies
 
     @property
     def tokens(self) -> int:
@@ -155,9 +156,17 @@ def _layer_bytes(key: tuple, x: MicroShape, recompute: str) -> int:
 
 def layer_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
     """The most a layer's backward allocates on top of what is kept: the MLP's input and activation gradients
-    (b·s·f each, twice for SwiGLU's two halves) while its saved tensors are still held."""
+    (b·s·f each, twice for SwiGLU's two halves) while its saved tensors are still held. On a CPU under autocast
+    (x.f32_wgrad) a linear's weight gradient also holds fp32 copies of both bf16 operands, its input and its
+    output gradient (parallel/weight_grad.py linear_weight_grads; CUDA's matmul writes fp32 from bf16 instead):
+    the widest linear's, b·s·(in + out) fp32 elements."""
     f = cfg.ffn // x.tp
-    return x.tokens * f * (4 if cfg.activation == "swiglu" else 2) * x.act
+    out = x.tokens * f * (4 if cfg.activation == "swiglu" else 2) * x.act
+    if x.f32_wgrad:
+        h, q = cfg.d_model, cfg.n_heads * cfg.head_dim // x.tp
+        qkv = h + (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim // x.tp
+        out += x.tokens * max(qkv, q + h, h + f * (2 if cfg.activation == "swiglu" else 1), f + h) * F32
+    return out
 
 
 def embedding_saved(cfg: ModelConfig, x: MicroShape) -> int:

@@ -57,7 +57,7 @@ def micro_shape(cfg: ModelConfig, lay: Layout, precision: str, cuda: bool) -> A.
     res = 4 if autocast or not bf16 else 2
     return A.MicroShape(b=lay.micro_batch_size, s=cfg.seq_len // lay.cp, tp=lay.tp, sp=lay.sp, cp=lay.cp,
                         cp_mode=lay.cp_mode, flash=cuda or cfg.dropout == 0, act=act, res=res, autocast=autocast,
-                        dropout=cfg.dropout > 0, stats=4 if cuda else res)
+                        dropout=cfg.dropout > 0, stats=4 if cuda else res, f32_wgrad=autocast and not cuda)
 
 
 def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "bf16", cuda: bool = True) -> RankMemory:

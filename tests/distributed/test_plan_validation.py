@@ -5,15 +5,18 @@ bench/results/plan_validation_cpu.md).
 
   states       exact: parameters, optimizer, and the rest (gradient buffers, buckets, scalars), each to within
                STATE_SLACK bytes (0-d scalars some ranks keep: a norm, a step counter)
-  activations  what autograd keeps at once, within 10% (measured: exact on every layout but one, +0.02%)
-  peak         the step's peak live tensor bytes, within 10% (measured: within 5%)
+  activations  what autograd keeps at once, within 3% (measured: within 0.2% but pp=2 x tp=2 x SP Llama with
+               full recompute's first stage, +1.6%)
+  peak         the step's peak live tensor bytes, within 3% (measured: within 1.7%)
 and the product's own figure: train.py with train.track_memory=true logs mem_peak_gib, the max over ranks of each
 rank's peak, which matches the planner's prediction for the fullest rank.
 
 The layouts train on the folded corpus (512-token vocabulary, tests/distributed/common.py), not the tool's 8192:
 the steps take half the time, and the head no longer dwarfs the layers, whose errors it hid: a layer recomputed
 under train.recompute_every=2 was priced as if the layers above it still held their activations (+20% on the
-peak at 512, +0% at 8192 where the head's backward is the peak).
+peak at 512, +0% at 8192 where the head's backward is the peak), and on a CPU a bf16 linear's weight gradient
+multiplies fp32 copies of its operands, unpriced before (the pp=2 bf16 ZeRO-0 first stage's peak -7.1%, now
+-0.7%; CUDA's matmul writes the fp32 gradient from bf16 operands, plan/activations.py).
 """
 
 import os
@@ -28,7 +31,7 @@ from tests.distributed.launcher import SCRATCH, clean_shared_memory, rank_env, r
 from tools.plan_validation import LAYOUTS, compare, measure
 
 STATE_SLACK = 16
-TOLERANCE = 0.10
+TOLERANCE = 0.03
 
 
 def _check(rows: list[dict]) -> None:
