@@ -49,11 +49,15 @@ class TiedEmbedding:
         """The weight's values, as a fresh leaf whose gradient lands in self.grad instead of the parameter."""
         leaf = self.weight.detach().requires_grad_(torch.is_grad_enabled())
         if leaf.requires_grad:
-            leaf.register_hook(self._accumulate)
+            leaf.register_post_accumulate_grad_hook(self._accumulate)
         return leaf
 
-    def _accumulate(self, grad: torch.Tensor) -> None:
-        self.grad.add_(grad)
+    def _accumulate(self, leaf: torch.Tensor) -> None:
+        """Add the stand-in's gradient to self.grad and drop it from the leaf. (A hook on the gradient itself
+        left autograd to store it in leaf.grad too: a weight-sized fp32 tensor that lived as long as the
+        micro-batch's graph, under 1F1B into the next micro-batch's backward.)"""
+        self.grad.add_(leaf.grad)
+        leaf.grad = None
 
     def sync(self, forward: Callable) -> None:
         """Sum both copies' gradients and hand the sum to the parameter. forward: the engine's forward."""

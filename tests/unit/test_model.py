@@ -133,3 +133,22 @@ def test_compiled_blocks_with_dropout_compile_independently_of_depth():
             model(tokens[:, :-1], tokens[:, 1:], rng_key=(step, 0)).backward()
         graphs.append(dict(counters["stats"]))
     assert graphs[0] == graphs[1], graphs
+
+
+def test_tied_stand_in_hands_its_gradient_over_and_keeps_none():
+    """A pipeline's tied embedding (model/tied.py): each micro-batch's stand-in leaf adds its gradient to the fp32
+    accumulator and keeps no copy. Autograd used to store it in the leaf's .grad as well, a weight-sized fp32
+    tensor alive as long as the micro-batch's graph: under 1F1B, into the next micro-batch's backward (the last
+    stage's peak, 4 MiB over the planner's at the tiny preset's 8192-token vocabulary)."""
+    from megatron_lite.model.tied import TiedEmbedding
+
+    weight = torch.nn.Parameter(torch.randn(10, 4))
+    tied = TiedEmbedding(weight, embed_group=None, is_head_copy=False)
+    x = torch.randn(3, 4)
+    leaves = []
+    for _ in range(2):  # two micro-batches, graphs kept alive
+        leaves.append(tied.stand_in())
+        (x @ leaves[-1].t()).square().sum().backward()
+    assert all(leaf.grad is None for leaf in leaves)
+    torch.testing.assert_close(tied.grad, 2 * torch.autograd.grad((x @ weight.t()).square().sum(), weight)[0])
+    assert weight.grad is None
