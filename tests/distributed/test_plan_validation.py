@@ -7,7 +7,7 @@ bench/results/plan_validation_cpu.md).
                STATE_SLACK bytes (0-d scalars some ranks keep: a norm, a step counter)
   activations  what autograd keeps at once, within 3% (measured: within 0.2% but pp=2 x tp=2 x SP Llama with
                full recompute's first stage, +1.6%)
-  peak         the step's peak live tensor bytes, within 3% (measured: within 1.7%)
+  peak         the step's peak live tensor bytes, within 3% (measured: within 0.9%)
 and the product's own figure: train.py with train.track_memory=true logs mem_peak_gib, the max over ranks of each
 rank's peak, which matches the planner's prediction for the fullest rank.
 
@@ -16,7 +16,8 @@ the steps take half the time, and the head no longer dwarfs the layers, whose er
 under train.recompute_every=2 was priced as if the layers above it still held their activations (+20% on the
 peak at 512, +0% at 8192 where the head's backward is the peak), and on a CPU a bf16 linear's weight gradient
 multiplies fp32 copies of its operands, unpriced before (the pp=2 bf16 ZeRO-0 first stage's peak -7.1%, now
--0.7%; CUDA's matmul writes the fp32 gradient from bf16 operands, plan/activations.py).
+-0.7%; CUDA's matmul writes the fp32 gradient from bf16 operands, plan/activations.py), and the tied embedding's
+stand-in kept a copy of its gradient (the last stage's peak -1.7%, model/tied.py; test_model.py holds it).
 """
 
 import os
