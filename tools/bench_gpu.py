@@ -16,7 +16,9 @@ In one run, on the first CUDA device, with nothing fetched from the network:
      the whole step runs in bf16 with no per-step weight casts, and ours-zero1-compile;
    - hf: transformers' GPT2LMHeadModel, SDPA attention, fp32 weights under bf16 autocast, torch AdamW (fused);
    - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
-     autocast, fused AdamW), torch.compile'd: the loop users compare with.
+     autocast, fused AdamW), torch.compile'd: the loop users compare with;
+   - ours-compile-global16 and compiled-global16: the same, 16 sequences a step (gradients accumulated over
+     micro-batches of the shape above, one optimizer step), as a real run's global batch amortizes AdamW;
    tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics over the datasheet bf16 peak), and the peak
    allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included);
 5. `tools/tune_norm_kernels.py`: the norms' launch shapes swept (kernels/row_tiles.py), best against default.
@@ -63,8 +65,8 @@ MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names;
 # so that a run cut short by its time budget still has every ratio of what it measured. Not run by default:
 # accum<m> and recast (side_overrides), e.g. --sides ours-accum4,ours-accum4-recast, and global<n> on any side
 # (global_batch), e.g. --sides ours-compile-global16,compiled-global16.
-SIDES = ("ours-auto", "hf", "compiled", "ours-compile", "ours-torch", "ours-triton", "ours-zero1",
-         "ours-zero1-compile")
+SIDES = ("ours-auto", "hf", "compiled", "ours-compile", "ours-compile-global16", "compiled-global16", "ours-torch",
+         "ours-triton", "ours-zero1", "ours-zero1-compile")
 BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
 MIN_CASE_S = 30  # a throughput case is not started with less than this left (start-up and warm-up alone)
 
