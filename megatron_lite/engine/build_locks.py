@@ -121,8 +121,9 @@ def clear_stale_build_locks(root: str | None = None, quiet_s: float = QUIET_S, s
         for lock in pending:
             outcome = _remove_if_stale(os.path.realpath(lock), quiet_s)
             if outcome == "removed":
+                stopped = time.time() - _last_change(os.path.dirname(lock))
                 say(f"removed a stale build lock {lock}: no process here has it open and its build stopped "
-                    f"{time.time() - _last_change(os.path.dirname(lock)):.0f} s ago (a killed build); it will be rebuilt")
+                    f"{stopped:.0f} s ago (a killed build); it will be rebuilt")
                 removed.append(lock)
             elif outcome == "busy":
                 if lock not in told:
