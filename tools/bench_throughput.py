@@ -1,8 +1,13 @@
 """Training throughput: our single-process trainer (GPT + DeepSpeed engine) vs an HF GPT2LMHeadModel loop.
 
-Same shape, batch, sequence length, precision, optimizer (AdamW) and clipping, in the same process; the two
-are timed in alternating blocks so that machine noise hits both alike. Prints tokens/s for each and the
+Same shape, batch, sequence length, precision, optimizer (AdamW) and clipping, in the same process; the sides
+are timed in alternating blocks so that machine noise hits all alike. Prints tokens/s for each and the
 ratio ours / HF, and optionally writes a JSON record (device, date, commit) for bench/results/.
+
+A third side, plain, runs *our* model (same config and weights) in a plain PyTorch loop (fused AdamW, the clip,
+autocast as the engine's): ours / plain is what the engine and the pipeline executor cost over the model alone.
+At a small shape the step is host-bound, so that ratio is their host work per step (what a host-bound GPU step,
+gpt2-124m or small micro-batches, pays), e.g. `--model tiny --micro-batch 1 --seq-len 16`.
 
     python tools/bench_throughput.py --model tiny --steps 20
     python tools/bench_throughput.py --model gpt2-124m --micro-batch 8 --seq-len 1024 --precision bf16 \
@@ -54,6 +59,16 @@ def hf_step(model, opt, batch, clip, autocast):
     return loss
 
 
+def plain_step(model, opt, batch, clip, autocast):
+    with autocast():
+        loss = model(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()  # the engine's step reads its loss too
+
+
 def timed(fn, steps: int, device) -> list[float]:
     times = []
     for _ in range(steps):
@@ -99,29 +114,37 @@ def main(argv=None) -> dict:
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
+    plain = GPT(cfg.model).to(device)  # the same weights (each parameter drawn from its name and the seed)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay, fused=True)
+
     seq = cfg.model.seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, seq + 1), device=device)
-    ours = lambda: engine.train_step([batch], cfg.optim.lr, 1)  # noqa: E731
-    theirs = lambda: hf_step(hf, hf_opt, batch, cfg.train.grad_clip, autocast)  # noqa: E731
-    timed(ours, args.warmup, device)
-    timed(theirs, args.warmup, device)
-    t_ours, t_hf = [], []
+    sides = {"ours": lambda: engine.train_step([batch], cfg.optim.lr, 1),
+             "hf": lambda: hf_step(hf, hf_opt, batch, cfg.train.grad_clip, autocast),
+             "plain": lambda: plain_step(plain, plain_opt, batch, cfg.train.grad_clip, autocast)}
+    times = {name: [] for name in sides}
+    for step in sides.values():
+        timed(step, args.warmup, device)
     for _ in range(args.blocks):
-        t_ours += timed(ours, args.steps, device)
-        t_hf += timed(theirs, args.steps, device)
+        for name, step in sides.items():
+            times[name] += timed(step, args.steps, device)
     tokens = args.micro_batch * seq
-    ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
+    ours_tps, hf_tps, plain_tps = (tokens / statistics.median(times[name]) for name in sides)
     record = {
         "bench": "throughput", "model": args.model, "micro_batch": args.micro_batch, "seq_len": seq,
         "precision": str(dtype).replace("torch.", ""), "ours_tokens_per_s": round(ours_tps, 1),
         "hf_tokens_per_s": round(hf_tps, 1), "ratio": round(ours_tps / hf_tps, 3),
+        "plain_tokens_per_s": round(plain_tps, 1), "ratio_vs_plain": round(ours_tps / plain_tps, 3),
+        "step_ms": {name: round(1e3 * statistics.median(t), 3) for name, t in times.items()},
         "hf_side": "GPT2LMHeadModel sdpa eager" + (" + bf16 autocast" if dtype == torch.bfloat16 else ""),
         "device": torch.cuda.get_device_name() if device.type == "cuda"
         else f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads",
         "date": datetime.date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
     }
     print(f"{args.model} {record['precision']} b={args.micro_batch} s={seq}: ours {ours_tps:,.0f} tok/s, "
-          f"HF {hf_tps:,.0f} tok/s, ratio {record['ratio']:.3f}x")
+          f"HF {hf_tps:,.0f} tok/s, ratio {record['ratio']:.3f}x; our model in a plain loop {plain_tps:,.0f} tok/s, "
+          f"ours / plain {record['ratio_vs_plain']:.3f}x (steps {record['step_ms']} ms)")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
