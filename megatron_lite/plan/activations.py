@@ -30,7 +30,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.plan.params import model_key, padded_vocab
+from megatron_lite.plan.params import block_linears, model_key, padded_vocab
 
 F32, I64, BOOL = 4, 8, 1
 
@@ -163,9 +163,7 @@ def layer_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
     f = cfg.ffn // x.tp
     out = x.tokens * f * (4 if cfg.activation == "swiglu" else 2) * x.act
     if x.f32_wgrad:
-        h, q = cfg.d_model, cfg.n_heads * cfg.head_dim // x.tp
-        qkv = h + (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim // x.tp
-        out += x.tokens * max(qkv, q + h, h + f * (2 if cfg.activation == "swiglu" else 1), f + h) * F32
+        out += x.tokens * max(rows + cols for rows, cols in block_linears(cfg, x.tp).values()) * F32
     return out
 
 
@@ -203,7 +201,6 @@ def head_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
 def autocast_weights(cfg: ModelConfig, x: MicroShape, layers: int, head: bool) -> int:
     """Elements of the weights a chunk multiplies under autocast (each a bf16 copy the step keeps):
     the four projections of every layer and the head's (padded) rows; not biases, norms or embedding lookups."""
-    h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn // x.tp
-    per_layer = h * (cfg.n_heads + 2 * cfg.kv_heads) * d // x.tp + cfg.n_heads * d // x.tp * h
-    per_layer += h * f * (3 if cfg.activation == "swiglu" else 2)
-    return layers * per_layer + (padded_vocab(cfg, x.tp) // x.tp * h if head else 0)  # the head multiplies every row
+    per_layer = sum(rows * cols for rows, cols in block_linears(cfg, x.tp).values())
+    head_rows = padded_vocab(cfg, x.tp) // x.tp if head else 0  # the head multiplies every (padded) row
+    return layers * per_layer + head_rows * cfg.d_model

@@ -63,21 +63,25 @@ def _linear(prefix: str, rows: int, cols: int, bias_rows: int | None) -> list[Pa
     return out
 
 
+def block_linears(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """One block's four projections on one TP rank: name -> (rows, cols) of the weight, i.e. (out, in) features."""
+    h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn
+    return {"attn.qkv": ((cfg.n_heads + 2 * cfg.kv_heads) * d // tp, h),
+            "attn.proj": (h, cfg.n_heads * d // tp),
+            "mlp.fc_in": (f * (2 if cfg.activation == "swiglu" else 1) // tp, h),
+            "mlp.fc_out": (h, f // tp)}
+
+
 def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
     """One transformer block's parameters on one TP rank."""
-    h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn
-    qkv_rows = (cfg.n_heads + 2 * cfg.kv_heads) * d // tp
-    fc_in_rows = f * (2 if cfg.activation == "swiglu" else 1) // tp
-    bias = cfg.bias
-    p = f"blocks.{layer}"
-    return [
-        *_norm(f"{p}.norm1", cfg),
-        *_linear(f"{p}.attn.qkv", qkv_rows, h, qkv_rows if bias else None),
-        *_linear(f"{p}.attn.proj", h, cfg.n_heads * d // tp, h if bias else None),
-        *_norm(f"{p}.norm2", cfg),
-        *_linear(f"{p}.mlp.fc_in", fc_in_rows, h, fc_in_rows if bias else None),
-        *_linear(f"{p}.mlp.fc_out", h, f // tp, h if bias else None),
-    ]
+    linears, p = block_linears(cfg, tp), f"blocks.{layer}"
+
+    def linear(name: str) -> list[Param]:
+        rows, cols = linears[name]
+        return _linear(f"{p}.{name}", rows, cols, rows if cfg.bias else None)
+
+    return [*_norm(f"{p}.norm1", cfg), *linear("attn.qkv"), *linear("attn.proj"),
+            *_norm(f"{p}.norm2", cfg), *linear("mlp.fc_in"), *linear("mlp.fc_out")]
 
 
 def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
