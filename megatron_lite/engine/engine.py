@@ -14,6 +14,7 @@ PipelineEngine (our pipeline runs chunks through this engine instead).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -98,7 +99,6 @@ class Engine:
                                          ctx.pp_size, ctx.pp_rank, (t.micro_batch_size, s_local, cfg.model.d_model),
                                          self.dtype, ctx.device, ctx.pp_global_rank, ctx.pp_group)
         self.last_stats = None  # the executor's StepStats of the last training step (timings for the bubble)
-        self._norm_params = None  # ZeRO-0: the parameters the gradient norm counts (_reduced_grad_norm)
 
     @property
     def optimizer(self):
@@ -191,6 +191,15 @@ class Engine:
         finally:
             del optimizer.found_inf, optimizer.grad_scale
 
+    @functools.cached_property
+    def _norm_params(self) -> list[torch.nn.Parameter]:
+        """The parameters the gradient norm counts (_reduced_grad_norm): fixed once built, so found once rather
+        than by a walk of every parameter each step."""
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+
+        return [p for p in self.model.parameters() if not getattr(p, "ds_pipe_replicated", False)
+                and (is_model_parallel_parameter(p) or self.ctx.tp_rank == 0)]
+
     def _reduced_grad_norm(self) -> torch.Tensor:
         """The global gradient norm, a float64 scalar on the device (nothing waits for it). DeepSpeed records
         the norm only for its ZeRO/bf16 optimizers; for plain ZeRO-0 we compute the same quantity ourselves,
@@ -201,11 +210,6 @@ class Engine:
         once and accumulates in float64 (no float64 copy of the gradient: that cost gpt-1.3b 17 ms a step).
         One foreach call: on CUDA a few fused launches (per-tensor launches cost gpt-1.3b 3.9 ms a step on an
         H200); on CPU it is the per-tensor vector_norm, bit for bit."""
-        if self._norm_params is None:  # the parameters are fixed once built: found once, not every step
-            from deepspeed.runtime.utils import is_model_parallel_parameter
-
-            self._norm_params = [p for p in self.model.parameters() if not getattr(p, "ds_pipe_replicated", False)
-                                 and (is_model_parallel_parameter(p) or self.ctx.tp_rank == 0)]
         grads = [p.grad.detach() for p in self._norm_params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         if grads:
