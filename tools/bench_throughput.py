@@ -49,24 +49,15 @@ def hf_gpt2(model_cfg, device, dtype):
     return GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype)
 
 
-def hf_step(model, opt, batch, clip, autocast):
+def loop_step(model, loss_of, opt, clip, autocast):
+    """One step of a plain PyTorch training loop: loss_of() under autocast, backward, clip, AdamW."""
     with autocast():
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # HF shifts labels itself
+        loss = loss_of()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
-
-
-def plain_step(model, opt, batch, clip, autocast):
-    with autocast():
-        loss = model(batch[:, :-1], batch[:, 1:])
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.item()  # the engine's step reads its loss too
 
 
 def timed(fn, steps: int, device) -> list[float]:
@@ -120,9 +111,13 @@ def main(argv=None) -> dict:
 
     seq = cfg.model.seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, seq + 1), device=device)
+    clip = cfg.train.grad_clip
     sides = {"ours": lambda: engine.train_step([batch], cfg.optim.lr, 1),
-             "hf": lambda: hf_step(hf, hf_opt, batch, cfg.train.grad_clip, autocast),
-             "plain": lambda: plain_step(plain, plain_opt, batch, cfg.train.grad_clip, autocast)}
+             # HF shifts the labels itself
+             "hf": lambda: loop_step(hf, lambda: hf(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss, hf_opt,
+                                     clip, autocast),
+             "plain": lambda: loop_step(plain, lambda: plain(batch[:, :-1], batch[:, 1:]), plain_opt, clip,
+                                        autocast).item()}  # the engine's step reads its loss too
     times = {name: [] for name in sides}
     for step in sides.values():
         timed(step, args.warmup, device)
