@@ -161,7 +161,8 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
 
 
 def convert_to_universal(path: str) -> str:
-    """Convert the ZeRO checkpoint `path` into path/universal once (atomically); one process, no groups."""
+    """Convert the checkpoint `path` into path/universal once (atomically); one process, no groups. ZeRO 1-3
+    checkpoints go through DeepSpeed's converter whole, a ZeRO-0 one through its merge step (_zero0_to_universal)."""
     target = os.path.join(path, UNIVERSAL)
     if not os.path.isfile(os.path.join(target, "done")):
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
@@ -169,13 +170,70 @@ def convert_to_universal(path: str) -> str:
         tmp = target + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(target, ignore_errors=True)
-        ds_to_universal(argparse.Namespace(
-            input_folder=path, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
-            keep_temp_folder=False, strict=True, inject_missing_state=False,
-        ))
+        meta = read_meta(path)
+        if meta["layout"]["zero_stage"] == 0:
+            _zero0_to_universal(path, meta, tmp)
+        else:
+            ds_to_universal(argparse.Namespace(
+                input_folder=path, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
+                keep_temp_folder=False, strict=True, inject_missing_state=False,
+            ))
         open(os.path.join(tmp, "done"), "w").close()
         os.replace(tmp, target)
     return target
+
+
+def _zero0_to_universal(path: str, meta: dict, out: str) -> None:
+    """The universal form (out/zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt) of a ZeRO-0 checkpoint.
+
+    DeepSpeed's converter reads ZeRO's optimizer files, which ZeRO-0 does not write: each pipeline x TP rank's
+    mp_rank file holds its whole fp32 parameters and torch AdamW's state instead. So those are laid out as the
+    converter's extracted fragments (one per TP rank, a single "dp" fragment each), and its merge step joins
+    the TP slices by the split patterns saved in the checkpoint, as for ZeRO 1-3. Names are global, so the
+    pipeline stages are a union; the last stage's copy of a tied embedding equals the first stage's and is
+    left out."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
+
+    tp, pp = meta["layout"].get("tp", 1), meta["layout"].get("pp", 1)
+    fragments = os.path.join(out, "tmp")
+    shapes: dict[str, list] = {}  # name -> its shape on each TP rank
+    info = None
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            saved = torch.load(os.path.join(path, f"mp_rank_{pp_rank * tp + tp_rank:02d}_model_states.pt"),
+                               map_location="cpu", weights_only=False)
+            info = saved.get(UNIVERSAL_CHECKPOINT_INFO, {})
+            for name, states in _zero0_states(saved).items():
+                if len(shapes.setdefault(name, [])) > tp_rank:  # taken from an earlier stage (tied embedding)
+                    continue
+                shapes[name].append(states["fp32"].shape)
+                folder = os.path.join(fragments, name, str(tp_rank))
+                os.makedirs(folder, exist_ok=True)
+                for key, value in states.items():
+                    torch.save(value.reshape(-1) if key != "step" else value, os.path.join(folder, f"{key}.00"))
+    for name, per_tp in shapes.items():
+        merge_tp_slices(info, os.path.join(out, "zero"), fragments, tp, (name, per_tp))
+    shutil.rmtree(fragments)
+
+
+def _zero0_states(saved: dict) -> dict[str, dict]:
+    """name -> {fp32, exp_avg, exp_avg_sq, step} of one ZeRO-0 mp_rank file: its module and torch AdamW's
+    state, which is indexed by position: matrices, then vectors, each in the module's order
+    (engine/ds_config.param_groups), checked against every state's shape."""
+    buffers = set(saved.get("buffer_names") or ())
+    params = {k: v for k, v in saved["module"].items() if k not in buffers}
+    order = [k for k, v in params.items() if v.dim() >= 2] + [k for k, v in params.items() if v.dim() < 2]
+    optimizer = saved["optimizer"]
+    indices = [i for group in optimizer["param_groups"] for i in group["params"]]
+    assert len(indices) == len(order), f"{len(indices)} optimizer entries for {len(order)} parameters"
+    out = {}
+    for index, name in zip(indices, order):
+        state = optimizer["state"][index]
+        assert state["exp_avg"].shape == params[name].shape, f"optimizer entry {index} is not {name}"
+        out[name] = {"fp32": params[name].float(), "exp_avg": state["exp_avg"].float(),
+                     "exp_avg_sq": state["exp_avg_sq"].float(), "step": state["step"]}
+    return out
 
 
 def prepare_universal(path: str, ctx) -> None:

@@ -40,14 +40,10 @@ def _model_cfg_from_meta(meta: dict) -> ModelConfig:
 
 
 def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
-    """Full fp32 weights of a tensor- or pipeline-parallel checkpoint: DeepSpeed's universal conversion merges
-    the TP shards with the split patterns saved beside them and unions the pipeline stages (parameter names
-    are global; the tied embedding's two copies are equal); vocabulary rows come back unpadded."""
-    layout = meta["layout"]
-    if layout["zero_stage"] == 0:
-        split = " x ".join(f"parallel.{k}={layout.get(k, 1)}" for k in ("tp", "pp") if layout.get(k, 1) > 1)
-        raise ValueError(f"{path} was written at {split} with zero.stage=0; merging its shards needs a ZeRO 1-3 "
-                         "checkpoint (resume it with zero.stage=1 and save again)")
+    """Full fp32 weights of a tensor- or pipeline-parallel checkpoint, any ZeRO stage: the universal conversion
+    (checkpoint/sharded.py) merges the TP shards with the split patterns saved beside them and unions the
+    pipeline stages (parameter names are global; the tied embedding's two copies are equal); vocabulary rows
+    come back unpadded."""
     from megatron_lite.model.gpt import padded_vocab_size
 
     zero_dir = os.path.join(convert_to_universal(path), "zero")

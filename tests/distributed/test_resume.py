@@ -153,14 +153,19 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
 
 
 def test_hf_export_from_tp2_equals_export_from_tp1(tmp_path):
-    """Two steps at tp=1 and at tp=2 x dp=2 (ZeRO-1) from the same seed, then export both to HF: every tensor
-    agrees within 1e-4. The runs differ only by the order of cross-rank sums, but Adam's normalised update
-    can turn a 1e-7 difference in a near-zero gradient into up to lr (3e-3 here); measured max 1.1e-5. A
-    wrong merge (a permuted or misplaced shard) would differ by the weights' scale, ~2e-2. The two runs' grad
-    norms agree within 1e-4 (relative; measured 2.0e-7)."""
-    steps = ["train.steps=2", "zero.stage=1"]
-    (tp1,) = run_configs(1, [overrides(tmp_path, "tp1", *steps)], tmp_path)
-    (tp2,) = run_configs(4, [overrides(tmp_path, "tp2", *steps, "parallel.tp=2")], tmp_path)
-    norms = max_relative_diff(tp2["grad_norms"], tp1["grad_norms"])
-    assert norms <= 1e-4, f"tp=2 x dp=2 grad norms differ from tp=1 by {norms:.2e} (relative)"
-    assert_same_hf_export(tmp_path, ("tp1", "tp2"), 1e-4)
+    """Two steps at tp=1 and at tp=2 x dp=2 (ZeRO-1), and at tp=1 and tp=2 x pp=2 (ZeRO-0, whose checkpoint
+    keeps no ZeRO optimizer files: checkpoint/sharded._zero0_to_universal), from the same seed, then export each
+    to HF: every tensor agrees within 1e-4. The runs differ only by the order of cross-rank sums, but Adam's
+    normalised update can turn a 1e-7 difference in a near-zero gradient into up to lr (3e-3 here); measured
+    max 1.1e-5. A wrong merge (a permuted or misplaced shard) would differ by the weights' scale, ~2e-2. The
+    runs' grad norms agree within 1e-4 (relative; measured 2.0e-7)."""
+    steps = ["train.steps=2"]
+    tp1 = run_configs(1, [overrides(tmp_path, "tp1_z1", *steps, "zero.stage=1"),
+                          overrides(tmp_path, "tp1_z0", *steps, "zero.stage=0")], tmp_path)
+    tp2 = run_configs(4, [overrides(tmp_path, "tp2_z1", *steps, "zero.stage=1", "parallel.tp=2"),
+                          overrides(tmp_path, "tp2_z0", *steps, "zero.stage=0", "parallel.tp=2", "parallel.pp=2")],
+                      tmp_path)
+    for stage, one, two in zip((1, 0), tp1, tp2):
+        norms = max_relative_diff(two["grad_norms"], one["grad_norms"])
+        assert norms <= 1e-4, f"zero.stage={stage}: tp=2 grad norms differ from tp=1 by {norms:.2e} (relative)"
+        assert_same_hf_export(tmp_path, (f"tp1_z{stage}", f"tp2_z{stage}"), 1e-4)
