@@ -81,8 +81,9 @@ class Layout:
     def needs_conversion(self, saved: "Layout") -> bool:
         """Whether a ZeRO checkpoint written at `saved` loads here only through the universal format: another
         number of ZeRO partitions, TP size, stage or pipeline layout (a V holds other stages on each rank than
-        loops do). ZeRO-0 checkpoints never convert."""
+        loops do). A ZeRO-0 checkpoint converts for another TP size or pipeline layout only: its optimizer state
+        is whole on every DP rank (and it resumes only at ZeRO-0, resume.check_resume)."""
         if saved.zero_stage == 0:
-            return False
+            return (saved.pipeline, saved.v_shape, saved.tp) != (self.pipeline, self.v_shape, self.tp)
         return (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != \
             (self.pipeline, self.v_shape, self.zero_partitions, self.tp, self.zero_stage)

@@ -186,7 +186,7 @@ class Trainer:
         weights = None
         if meta is not None and meta["kind"] == "weights":
             weights = checkpoint_weights.load_model_state(resume_path)[1]
-        universal = (meta is not None and meta["kind"] == "deepspeed"
+        universal = (meta is not None and meta["kind"] == "deepspeed" and cfg.zero.stage > 0  # (ZeRO-0: ours)
                      and self.layout.needs_conversion(Layout.of_checkpoint(meta)))
         partition, build_dtype = None, torch.float32
         if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank

@@ -137,16 +137,19 @@ def check_resume(cfg, world_size: int) -> None:
         saved = Layout.of_checkpoint(meta)
         layout = Layout.of_run(cfg, world_size)
         saved_pipe, pipe, saved_stage = saved.pipeline, layout.pipeline, saved.zero_stage
-        if (saved_pipe, saved.v_shape) != (pipe, layout.v_shape) and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
+        # Resharding: DeepSpeed's universal loader between ZeRO 1 and 2; ours from ZeRO-0 to ZeRO-0
+        reshards = (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)) or saved_stage == cfg.zero.stage == 0
+        if (saved_pipe, saved.v_shape) != (pipe, layout.v_shape) and not reshards:
             raise ConfigError(f"parallel.pp={cfg.parallel.pp} (vpp {pipe[1]}) cannot resume {path}, written at "
                               f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {list(saved_pipe[2])}) with "
-                              f"zero.stage={saved_stage}; pipeline resharding works between ZeRO stages 1 and 2: use "
-                              f"the saved layout, or save and resume with zero.stage=1 or 2")
+                              f"zero.stage={saved_stage}; pipeline resharding works between ZeRO stages 1 and 2 and "
+                              f"from 0 to 0: use the saved layout, or zero.stage={saved_stage if saved_stage < 3 else 2}")
         saved_tp = saved.tp
-        if saved_tp != cfg.parallel.tp and not (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)):
+        if saved_tp != cfg.parallel.tp and not reshards:
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
-                              f"with zero.stage={saved_stage}; TP resharding works between ZeRO stages 1 and 2: "
-                              f"use parallel.tp={saved_tp}, or save and resume with zero.stage=1 or 2")
+                              f"with zero.stage={saved_stage}; TP resharding works between ZeRO stages 1 and 2 and "
+                              f"from 0 to 0: use parallel.tp={saved_tp}, or "
+                              f"zero.stage={saved_stage if saved_stage < 3 else 2}")
         saved_precision = saved.precision  # resolved (auto -> bf16/fp32); absent before the bf16 fixes
         precision = resolve_precision(cfg)
         if saved_precision is not None and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage):

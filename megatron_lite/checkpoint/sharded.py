@@ -248,6 +248,35 @@ def prepare_universal(path: str, ctx) -> None:
     dist.barrier()
 
 
+@torch.no_grad()
+def _load_zero0_universal(engine, zero_dir: str) -> None:
+    """A ZeRO-0 engine at another TP or pipeline layout than its checkpoint's: every parameter this rank holds
+    and its AdamW moments and step, from the universal form's full tensors, cut to this rank's share as the
+    model's build cuts them (model/init.local_part). Vocabulary rows are re-padded for this tp with zeros (the
+    conversion drops the padding; padded rows never get a gradient, so their moments are zero too)."""
+    from megatron_lite.model.init import local_part, parameter_slots
+
+    model, optimizer = engine.model, engine.optimizer
+    position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+
+    def full(name: str, state: str) -> torch.Tensor:
+        saved = torch.load(os.path.join(zero_dir, name, f"{state}.pt"), map_location="cpu", weights_only=False)
+        tensor, rows = saved["param"].float(), model.full_shapes[name][0]
+        if name in ("wte.weight", "lm_head.weight") and tensor.shape[0] != rows:
+            tensor = torch.cat([tensor[:rows], tensor.new_zeros(max(0, rows - tensor.shape[0]), tensor.shape[1])])
+        return tensor
+
+    states = {}
+    for name, module, attr in parameter_slots(model):
+        param = module._parameters[attr]
+        param.copy_(local_part(module, attr, full(name, "fp32")))
+        step = torch.load(os.path.join(zero_dir, name, "step.pt"), map_location="cpu", weights_only=False)
+        states[position[id(param)]] = {
+            "step": torch.as_tensor(step, dtype=torch.float32).clone(),
+            **{key: local_part(module, attr, full(name, key)).clone() for key in ("exp_avg", "exp_avg_sq")}}
+    optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 def load(engine, ctx, path: str, layout: Layout) -> dict:
     """Collective: load `path` into the engine of this job's `layout`, restore this rank's RNG streams; return
     meta."""
@@ -255,7 +284,10 @@ def load(engine, ctx, path: str, layout: Layout) -> dict:
     saved = Layout.of_checkpoint(meta)
     if layout.needs_conversion(saved):
         prepare_universal(path, ctx)
-        engine.load(path, UNIVERSAL)
+        if layout.zero_stage == 0:  # DeepSpeed's universal loader is ZeRO's; ZeRO-0 holds torch's AdamW
+            _load_zero0_universal(engine, os.path.join(path, UNIVERSAL, "zero"))
+        else:
+            engine.load(path, UNIVERSAL)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
     # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where

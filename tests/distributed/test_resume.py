@@ -152,6 +152,21 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
     assert_continues(resharded, straight, 1e-4, f"zero.stage={stage}: tp 2 -> {tp_to} resume")
 
 
+def test_zero0_resharding_on_resume(tmp_path):
+    """ZeRO-0, the default stage: save at tp=2 x pp=2 and resume at tp=1 x dp=2, and the other way round
+    (checkpoint/sharded.py: the merged universal form, cut by the new layout's build): loss and grad norm
+    continue the uninterrupted run within 1e-4. With the moments zeroed on load the losses part by 1.8."""
+    z0, split = ["zero.stage=0", "checkpoint.interval=4"], ["parallel.tp=2", "parallel.pp=2"]
+    (split_straight,) = run_configs(4, [overrides(tmp_path, "z0_split", *STEPS8, *z0, *split)], tmp_path)
+    whole_straight, merged = run_configs(2, [overrides(tmp_path, "z0_whole", *STEPS8, *z0),
+                                             resume_at(tmp_path, "z0_split", z0, 2)], tmp_path)
+    (resplit,) = run_configs(4, [resume_at(tmp_path, "z0_whole", [*z0, *split], 4)], tmp_path)
+    for resumed, straight, what in ((merged, split_straight, "tp 2 x pp 2 -> tp 1 x dp 2"),
+                                    (resplit, whole_straight, "tp 1 x dp 2 -> tp 2 x pp 2")):
+        assert len(resumed["losses"]) == 4, what
+        assert_continues(resumed, straight, 1e-4, f"zero.stage=0: {what} resume")
+
+
 def test_hf_export_from_tp2_equals_export_from_tp1(tmp_path):
     """Two steps at tp=1 and at tp=2 x dp=2 (ZeRO-1), and at tp=1 and tp=2 x pp=2 (ZeRO-0, whose checkpoint
     keeps no ZeRO optimizer files: checkpoint/sharded._zero0_to_universal), from the same seed, then export each

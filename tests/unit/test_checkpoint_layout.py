@@ -38,7 +38,10 @@ def test_layout_changes_convert():
     assert run(1, 3).needs_conversion(saved())                                                 # dp
     assert run(2, 3).needs_conversion(saved(pp=2, layers_per_stage=[2, 2]))                   # pp
     assert run(2, 3, (2, 1, (1, 3))).needs_conversion(saved(pp=2, layers_per_stage=[2, 2]))   # layer split
-    assert not run(2, 0).needs_conversion(saved(zero_stage=0, pp=2, layers_per_stage=[2, 2]))  # ZeRO-0: never
+    # ZeRO-0 holds its whole optimizer state on every DP rank: only a TP or pipeline change converts
+    assert not run(1, 0).needs_conversion(saved(zero_stage=0))                                 # dp
+    assert run(2, 0).needs_conversion(saved(zero_stage=0, pp=2, layers_per_stage=[2, 2]))      # pp
+    assert run(1, 0, tp=2).needs_conversion(saved(zero_stage=0))                               # tp
     # ZeRO partitions over dp x cp (parameters are replicated over cp): their number is what matters
     assert run(2, 3, cp=2).needs_conversion(saved())                                           # dp 2 -> dp 2 x cp 2
     assert not run(1, 3, cp=2).needs_conversion(saved())                                       # dp 2 -> dp 1 x cp 2
