@@ -81,9 +81,9 @@ class Layout:
     def needs_conversion(self, saved: "Layout") -> bool:
         """Whether a ZeRO checkpoint written at `saved` loads here only through the universal format: another
         number of ZeRO partitions, TP size, stage or pipeline layout (a V holds other stages on each rank than
-        loops do). A ZeRO-0 checkpoint converts for another TP size or pipeline layout only: its optimizer state
-        is whole on every DP rank (and it resumes only at ZeRO-0, resume.check_resume)."""
-        if saved.zero_stage == 0:
+        loops do). From ZeRO-0 to ZeRO-0 only another TP size or pipeline layout converts: its optimizer state
+        is whole on every DP rank."""
+        if saved.zero_stage == self.zero_stage == 0:
             return (saved.pipeline, saved.v_shape, saved.tp) != (self.pipeline, self.v_shape, self.tp)
         return (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != \
             (self.pipeline, self.v_shape, self.zero_partitions, self.tp, self.zero_stage)

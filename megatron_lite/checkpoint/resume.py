@@ -137,25 +137,29 @@ def check_resume(cfg, world_size: int) -> None:
         saved = Layout.of_checkpoint(meta)
         layout = Layout.of_run(cfg, world_size)
         saved_pipe, pipe, saved_stage = saved.pipeline, layout.pipeline, saved.zero_stage
-        # Resharding: DeepSpeed's universal loader between ZeRO 1 and 2; ours from ZeRO-0 to ZeRO-0
-        reshards = (saved_stage in (1, 2) and cfg.zero.stage in (1, 2)) or saved_stage == cfg.zero.stage == 0
+        stages = {saved_stage, cfg.zero.stage}
+        # Another layout or stage loads through the universal form: DeepSpeed's loader for ZeRO 1-3, ours for
+        # ZeRO-0 (checkpoint/sharded.py). Pipeline and TP resharding among ZeRO 0-2 (ZeRO-3 keeps its tp and
+        # runs no pipeline); ZeRO-0 converts to and from 1 and 2.
+        reshards = stages <= {0, 1, 2}
         if (saved_pipe, saved.v_shape) != (pipe, layout.v_shape) and not reshards:
             raise ConfigError(f"parallel.pp={cfg.parallel.pp} (vpp {pipe[1]}) cannot resume {path}, written at "
                               f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {list(saved_pipe[2])}) with "
-                              f"zero.stage={saved_stage}; pipeline resharding works between ZeRO stages 1 and 2 and "
-                              f"from 0 to 0: use the saved layout, or zero.stage={saved_stage if saved_stage < 3 else 2}")
+                              f"zero.stage={saved_stage}; pipeline resharding works among ZeRO stages 0, 1 and 2: "
+                              f"use the saved layout, or zero.stage={min(saved_stage, 2)}")
         saved_tp = saved.tp
         if saved_tp != cfg.parallel.tp and not reshards:
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
-                              f"with zero.stage={saved_stage}; TP resharding works between ZeRO stages 1 and 2 and "
-                              f"from 0 to 0: use parallel.tp={saved_tp}, or "
-                              f"zero.stage={saved_stage if saved_stage < 3 else 2}")
+                              f"with zero.stage={saved_stage}; TP resharding works among ZeRO stages 0, 1 and 2: "
+                              f"use parallel.tp={saved_tp}, or zero.stage={min(saved_stage, 2)}")
+        if stages == {0, 3}:
+            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "
+                              f"use zero.stage={saved_stage}, 1 or 2 (ZeRO-0 converts to and from 1 and 2)")
         saved_precision = saved.precision  # resolved (auto -> bf16/fp32); absent before the bf16 fixes
         precision = resolve_precision(cfg)
-        if saved_precision is not None and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage):
+        through_zero0 = 0 in stages and len(stages) == 2  # every state is a full fp32 tensor on the way
+        if (saved_precision is not None and not through_zero0
+                and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage)):
             raise ConfigError(f"train.precision={cfg.train.precision} ({precision} at zero.stage={cfg.zero.stage}) cannot "
                               f"resume {path}, written in {saved_precision} at zero.stage={saved_stage}: DeepSpeed keeps "
                               f"bf16 and fp32 ZeRO states in different formats; use train.precision={saved_precision}")
-        if saved_stage != cfg.zero.stage and 0 in (saved_stage, cfg.zero.stage):
-            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "
-                              f"use zero.stage={saved_stage} (ZeRO 1, 2 and 3 convert into each other, 0 does not)")

@@ -191,30 +191,37 @@ def _zero0_to_universal(path: str, meta: dict, out: str) -> None:
     converter's extracted fragments (one per TP rank, a single "dp" fragment each), and its merge step joins
     the TP slices by the split patterns saved in the checkpoint, as for ZeRO 1-3. Names are global, so the
     pipeline stages are a union; the last stage's copy of a tied embedding equals the first stage's and is
-    left out."""
+    left out.
+
+    Beside the tensors, what DeepSpeed's universal loader (a ZeRO 1-2 job resuming this) reads: the optimizer's
+    group settings (zero/optimizer_state.pt; the engine restores ours after loading) and each mp_rank file's
+    bookkeeping, without its module and optimizer (that loader takes no weights from them)."""
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
     from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
 
     tp, pp = meta["layout"].get("tp", 1), meta["layout"].get("pp", 1)
-    fragments = os.path.join(out, "tmp")
+    fragments, zero = os.path.join(out, "tmp"), os.path.join(out, "zero")
+    os.makedirs(out)
     shapes: dict[str, list] = {}  # name -> its shape on each TP rank
-    info = None
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            saved = torch.load(os.path.join(path, f"mp_rank_{pp_rank * tp + tp_rank:02d}_model_states.pt"),
-                               map_location="cpu", weights_only=False)
-            info = saved.get(UNIVERSAL_CHECKPOINT_INFO, {})
-            for name, states in _zero0_states(saved).items():
-                if len(shapes.setdefault(name, [])) > tp_rank:  # taken from an earlier stage (tied embedding)
+            name = f"mp_rank_{pp_rank * tp + tp_rank:02d}_model_states.pt"
+            saved = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
+            for param, states in _zero0_states(saved).items():
+                if len(shapes.setdefault(param, [])) > tp_rank:  # taken from an earlier stage (tied embedding)
                     continue
-                shapes[name].append(states["fp32"].shape)
-                folder = os.path.join(fragments, name, str(tp_rank))
+                shapes[param].append(states["fp32"].shape)
+                folder = os.path.join(fragments, param, str(tp_rank))
                 os.makedirs(folder, exist_ok=True)
                 for key, value in states.items():
                     torch.save(value.reshape(-1) if key != "step" else value, os.path.join(folder, f"{key}.00"))
-    for name, per_tp in shapes.items():
-        merge_tp_slices(info, os.path.join(out, "zero"), fragments, tp, (name, per_tp))
+            torch.save({**saved, "module": {}, "optimizer": None}, os.path.join(out, name))
+    for param, per_tp in shapes.items():
+        merge_tp_slices(saved.get(UNIVERSAL_CHECKPOINT_INFO, {}), zero, fragments, tp, (param, per_tp))
     shutil.rmtree(fragments)
+    groups = [{key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+              for group in saved["optimizer"]["param_groups"]]
+    torch.save({"param_groups": groups, "ds_version": saved["ds_version"]}, os.path.join(zero, "optimizer_state.pt"))
 
 
 def _zero0_states(saved: dict) -> dict[str, dict]:

@@ -153,16 +153,29 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
 
 
 def test_zero0_resharding_on_resume(tmp_path):
-    """ZeRO-0, the default stage: save at tp=2 x pp=2 and resume at tp=1 x dp=2, and the other way round
-    (checkpoint/sharded.py: the merged universal form, cut by the new layout's build): loss and grad norm
-    continue the uninterrupted run within 1e-4. With the moments zeroed on load the losses part by 1.8."""
-    z0, split = ["zero.stage=0", "checkpoint.interval=4"], ["parallel.tp=2", "parallel.pp=2"]
-    (split_straight,) = run_configs(4, [overrides(tmp_path, "z0_split", *STEPS8, *z0, *split)], tmp_path)
-    whole_straight, merged = run_configs(2, [overrides(tmp_path, "z0_whole", *STEPS8, *z0),
-                                             resume_at(tmp_path, "z0_split", z0, 2)], tmp_path)
-    (resplit,) = run_configs(4, [resume_at(tmp_path, "z0_whole", [*z0, *split], 4)], tmp_path)
-    for resumed, straight, what in ((merged, split_straight, "tp 2 x pp 2 -> tp 1 x dp 2"),
-                                    (resplit, whole_straight, "tp 1 x dp 2 -> tp 2 x pp 2")):
+    """ZeRO-0, the default stage, through the universal form (checkpoint/sharded.py): saved at tp=2 x pp=2 and
+    resumed at tp=1 x dp=2, at ZeRO-0 and at ZeRO-1 (DeepSpeed's loader); saved at tp=1 x dp=2 by ZeRO-0 and by
+    ZeRO-1 and resumed at tp=2 x pp=2 under ZeRO-0 (our cut). Loss and grad norm continue the uninterrupted
+    run within 1e-4. With the moments zeroed on load the losses part by 1.8."""
+    split = ["parallel.tp=2", "parallel.pp=2"]
+
+    def run(name: str, stage: int, *extra: str) -> list[str]:
+        return overrides(tmp_path, name, *STEPS8, f"zero.stage={stage}", "checkpoint.interval=4", *extra)
+
+    def resume(name: str, source: str, stage: int, *extra: str) -> list[str]:
+        return run(name, stage, *extra, f"checkpoint.dir={tmp_path}/{name}_ckpt",
+                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+
+    (z0_split,) = run_configs(4, [run("z0_split", 0, *split)], tmp_path)
+    z0_whole, z1_whole, merged, merged_z1 = run_configs(2, [
+        run("z0_whole", 0), run("z1_whole", 1), resume("merged", "z0_split", 0), resume("merged_z1", "z0_split", 1)],
+        tmp_path)
+    resplit, resplit_z1 = run_configs(4, [resume("resplit", "z0_whole", 0, *split),
+                                          resume("resplit_z1", "z1_whole", 0, *split)], tmp_path)
+    for resumed, straight, what in ((merged, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2"),
+                                    (merged_z1, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2 at zero.stage=1"),
+                                    (resplit, z0_whole, "tp 1 x dp 2 -> tp 2 x pp 2"),
+                                    (resplit_z1, z1_whole, "zero.stage=1 at tp 1 x dp 2 -> tp 2 x pp 2")):
         assert len(resumed["losses"]) == 4, what
         assert_continues(resumed, straight, 1e-4, f"zero.stage=0: {what} resume")
 

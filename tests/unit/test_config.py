@@ -149,7 +149,7 @@ def test_data_tokenizer_larger_than_the_model_vocabulary(data_dir):
         load([f"data.path={data_dir}"], world_size=1)
 
 
-def test_resume_with_another_model_shape_or_from_zero0_is_refused(data_dir, tmp_path):
+def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data_dir, tmp_path):
     import json
 
     step = tmp_path / "ckpt" / "step_0000004"
@@ -157,15 +157,23 @@ def test_resume_with_another_model_shape_or_from_zero0_is_refused(data_dir, tmp_
     cfg = load([f"data.path={data_dir}"], world_size=1)
     from dataclasses import asdict
 
-    meta = {"kind": "deepspeed", "step": 4, "config": {"model": asdict(cfg.model)},
-            "layout": {"zero_stage": 0, "dp": 1, "world_size": 1}}
-    (step / "meta.json").write_text(json.dumps(meta))
+    def write(zero_stage: int) -> None:
+        meta = {"kind": "deepspeed", "step": 4, "config": {"model": asdict(cfg.model)},
+                "layout": {"zero_stage": zero_stage, "dp": 1, "world_size": 1}}
+        (step / "meta.json").write_text(json.dumps(meta))
+
+    write(0)
     (tmp_path / "ckpt" / "latest").write_text("step_0000004")
     args = [f"data.path={data_dir}", f"checkpoint.dir={tmp_path}/ckpt"]
     with pytest.raises(ConfigError, match=r"^model.n_layers=6 differs from the checkpoint"):
         load(args + ["model.n_layers=6"], world_size=1)
-    with pytest.raises(ConfigError, match=r"^zero.stage=2 cannot resume .* zero.stage=0"):
-        load(args + ["zero.stage=2"], world_size=1)
-    assert load(args + ["zero.stage=0"], world_size=2).zero.stage == 0  # DP change at stage 0 is fine
-    with pytest.raises(ConfigError, match=r"^parallel.tp=2 cannot resume .* parallel.tp=1"):
-        load(args + ["parallel.tp=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"^zero.stage=3 cannot resume .* zero.stage=0; use zero.stage=0, 1 or 2"):
+        load(args + ["zero.stage=3"], world_size=1)
+    # ZeRO-0 converts to and from ZeRO 1-2, at any DP, TP or pipeline layout (checkpoint/sharded.py)
+    assert load(args + ["zero.stage=2", "parallel.tp=2"], world_size=2).zero.stage == 2
+    assert load(args + ["zero.stage=0", "parallel.pp=2", "parallel.schedule=gpipe"], world_size=2).parallel.pp == 2
+    write(3)
+    with pytest.raises(ConfigError, match=r"^parallel.tp=2 cannot resume .* zero.stage=3; TP resharding works among"):
+        load(args + ["zero.stage=3", "parallel.tp=2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"^zero.stage=0 cannot resume .* zero.stage=3; use zero.stage=3, 1 or 2"):
+        load(args + ["zero.stage=0"], world_size=1)
