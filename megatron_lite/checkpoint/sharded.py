@@ -257,9 +257,9 @@ def prepare_universal(path: str, ctx) -> None:
 
 @torch.no_grad()
 def _load_zero0_universal(engine, zero_dir: str) -> None:
-    """A ZeRO-0 engine at another TP or pipeline layout than its checkpoint's: every parameter this rank holds
-    and its AdamW moments and step, from the universal form's full tensors, cut to this rank's share as the
-    model's build cuts them (model/init.local_part). Vocabulary rows are re-padded for this tp with zeros (the
+    """A ZeRO-0 engine resuming a checkpoint of another TP size, pipeline layout or ZeRO stage: every parameter
+    this rank holds and its AdamW moments and step, from the universal form's full tensors, cut to this rank's
+    share as the model's build cuts them (model/init.local_part). Vocabulary rows are re-padded for this tp with zeros (the
     conversion drops the padding; padded rows never get a gradient, so their moments are zero too)."""
     from megatron_lite.model.init import local_part, parameter_slots
 
