@@ -7,7 +7,8 @@ One process builds the model and the DeepSpeed engine the trainer uses (zero.sta
 moments, fp32 on CPU), takes one training step so the optimizer state exists, then saves `--saves` times each
 way, alternating: the synchronous save (write, fsync, checksum, commit) and the asynchronous one (stage to host
 memory, then write in a background thread). Per save it reports the time the loop was blocked and, for the
-asynchronous one, the background write time; then the time to load the checkpoint back. The first
+asynchronous one, the background write time; then the time to load the checkpoint back, and what a resume at
+another layout adds (the conversion to the universal form, and the load from it, checked exact). The first
 asynchronous save allocates the staging buffers (later saves reuse them), so the median is of `--saves` >= 3.
 The issue's target: blocking <= 10% of the synchronous save.
 """
@@ -42,6 +43,35 @@ from tools.commit import git_commit  # noqa: E402
 
 def state_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
+def convert_and_reload(engine, path: str) -> tuple[float, float]:
+    """What resuming this ZeRO-0 checkpoint at another layout costs (checkpoint/sharded.py): the conversion to the
+    universal form, then loading every parameter and moment from it, here into the same layout, so the states
+    must come back exactly (checked). Returns (conversion seconds, load seconds)."""
+    from megatron_lite.checkpoint.sharded import _load_zero0_universal, convert_to_universal
+
+    optimizer = engine.optimizer
+    before = [t.clone() for t in _states(engine)]
+    t0 = time.perf_counter()
+    universal = convert_to_universal(path)
+    convert_s = time.perf_counter() - t0
+    with torch.no_grad():
+        for t in _states(engine):
+            t.zero_()
+    t0 = time.perf_counter()
+    _load_zero0_universal(engine, os.path.join(universal, "zero"))
+    load_s = time.perf_counter() - t0
+    assert all(torch.equal(a, b) for a, b in zip(before, _states(engine))), "the universal form changed a state"
+    assert len(before) == 3 * sum(len(g["params"]) for g in optimizer.param_groups)
+    return convert_s, load_s
+
+
+def _states(engine) -> list[torch.Tensor]:
+    """Every parameter and its two AdamW moments, in the optimizer's order."""
+    state = engine.optimizer.state
+    return [t for g in engine.optimizer.param_groups for p in g["params"]
+            for t in (p, state[p]["exp_avg"], state[p]["exp_avg_sq"])]
 
 
 def main(argv=None) -> dict:
@@ -81,19 +111,22 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     checkpoint.load(engine, ctx, last, Layout.of_run(cfg, ctx.world_size))
     load_s = time.perf_counter() - t0
+    convert_s, universal_load_s = convert_and_reload(engine, last)
     record = {
         "bench": "checkpoint", "model": args.model, "state_gib": round(size / 2**30, 3),
         "sync_save_s": round(statistics.median(sync_s), 3), "async_block_s": round(statistics.median(block_s), 3),
         "async_block_first_s": round(block_s[0], 3), "sync_s": [round(t, 3) for t in sync_s],
         "async_block_each_s": [round(t, 3) for t in block_s], "async_write_each_s": [round(t, 3) for t in write_s],
         "async_write_s": round(statistics.median(write_s), 3), "load_s": round(load_s, 3),
+        "universal_convert_s": round(convert_s, 3), "universal_load_s": round(universal_load_s, 3),
         "block_fraction": round(statistics.median(block_s) / statistics.median(sync_s), 4),
         "device": str(ctx.device), "threads": torch.get_num_threads(), "filesystem": root,
         "date": datetime.date.today().isoformat(), "commit": git_commit(),
     }
     print(f"{args.model}: {record['state_gib']:.2f} GiB per checkpoint; synchronous save {record['sync_save_s']:.2f} s, "
           f"asynchronous blocks {record['async_block_s']:.2f} s ({100 * record['block_fraction']:.1f}% of it) and "
-          f"writes {record['async_write_s']:.2f} s in the background; load {record['load_s']:.2f} s")
+          f"writes {record['async_write_s']:.2f} s in the background; load {record['load_s']:.2f} s; for another "
+          f"layout: conversion {record['universal_convert_s']:.2f} s, load {record['universal_load_s']:.2f} s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
