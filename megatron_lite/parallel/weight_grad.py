@@ -245,17 +245,36 @@ def linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, param_dtype: to
     dW to bf16 and autograd then casts it to fp32: a pass over every weight gradient, and each micro-batch's
     gradient rounded to bf16 before its fp32 accumulation. Here the matmul makes the fp32 product itself (on
     CUDA: cuBLAS accumulates in fp32 and writes it; on a CPU: fp32 copies of the operands, whose products are
-    exact), and db is summed into fp32, as Megatron-LM's gradient-accumulation fusion does into its main_grad."""
+    exact), and db is summed into fp32, as Megatron-LM's gradient-accumulation fusion does into its main_grad.
+    Inside torch.compile the product is one op the graph calls (weight_grad_fp32): the traced backward runs under
+    autocast, which would multiply in bf16, and mm's out_dtype does not trace (pytorch/pytorch#163275)."""
     g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
     if g2.dtype == param_dtype:
         dw = g2.t().mm(x2)
+    elif torch.compiler.is_compiling():
+        dw = torch.ops.megatron_lite.weight_grad_fp32(g2, x2).to(param_dtype)
     elif not g2.is_cuda:
         dw = g2.t().to(param_dtype).mm(x2.to(param_dtype))
-    elif _MM_OUT_DTYPE and not torch.compiler.is_compiling():
+    elif _MM_OUT_DTYPE:
         dw = torch.mm(g2.t(), x2, out_dtype=param_dtype)
-    else:  # an older torch, or a graph being compiled (which fuses the cast): autocast's rounding
+    else:  # an older torch: autocast's rounding
         dw = g2.t().mm(x2).to(param_dtype)
     return dw, g2.sum(0, dtype=param_dtype) if has_bias else None
+
+
+@torch.library.custom_op("megatron_lite::weight_grad_fp32", mutates_args=())
+def _weight_grad_fp32(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """g2^T x2 in fp32 from bf16 operands (linear_weight_grads' product), as an op that torch.compile calls
+    without tracing into it: run outside the traced autocast, and with mm's out_dtype on CUDA, which compile
+    cannot trace (pytorch/pytorch#163275)."""
+    if g2.is_cuda:
+        return torch.mm(g2.t(), x2, out_dtype=torch.float32)
+    return g2.t().float().mm(x2.float())
+
+
+@_weight_grad_fp32.register_fake
+def _(g2, x2):
+    return g2.new_empty((g2.shape[1], x2.shape[1]), dtype=torch.float32)
 
 
 class _Linear(torch.autograd.Function):
@@ -318,11 +337,12 @@ def head_linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _linear_now(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear with its gradients made in its backward. Under autocast with parameters of another dtype
-    (ZeRO-0's bf16) the weight gradients are made in the parameters' dtype (linear_weight_grads), except inside
-    torch.compile, whose graphs fuse autocast's casts themselves (and whose tracing did not take CUDA's
-    fp32-output matmul: pytorch/pytorch#163275)."""
+    (ZeRO-0's bf16) the weight gradients are made in the parameters' dtype (linear_weight_grads), inside
+    torch.compile too: its graphs trace _Linear (casts fused as autocast's would be) and call the product as
+    one op. Until 2026-11-28 compiled blocks ran autocast's linear instead, whose bf16 weight gradients a
+    separate pass cast to fp32 (2-3e-3 from eager; tests/unit/test_weight_grad.py)."""
     dtype = autocast_dtype(x.device.type)
-    if dtype is None or dtype == weight.dtype or torch.compiler.is_compiling():
+    if dtype is None or dtype == weight.dtype:
         return F.linear(x, weight, bias)
     if weight.requires_grad and torch.is_grad_enabled():
         return _Linear.apply(x, weight, bias, None, (weight, bias))
