@@ -228,9 +228,11 @@ def _zero0_states(saved: dict) -> dict[str, dict]:
     """name -> {fp32, exp_avg, exp_avg_sq, step} of one ZeRO-0 mp_rank file: its module and torch AdamW's
     state, which is indexed by position: matrices, then vectors, each in the module's order
     (engine/ds_config.param_groups), checked against every state's shape."""
+    from megatron_lite.engine.ds_config import decays
+
     buffers = set(saved.get("buffer_names") or ())
     params = {k: v for k, v in saved["module"].items() if k not in buffers}
-    order = [k for k, v in params.items() if v.dim() >= 2] + [k for k, v in params.items() if v.dim() < 2]
+    order = [k for k, v in params.items() if decays(v.shape)] + [k for k, v in params.items() if not decays(v.shape)]
     optimizer = saved["optimizer"]
     indices = [i for group in optimizer["param_groups"] for i in group["params"]]
     assert len(indices) == len(order), f"{len(indices)} optimizer entries for {len(order)} parameters"
@@ -255,6 +257,17 @@ def prepare_universal(path: str, ctx) -> None:
     dist.barrier()
 
 
+def universal_tensor(zero_dir: str, name: str, state: str, vocab_rows: int) -> torch.Tensor:
+    """One full fp32 tensor of the universal form (state: fp32, exp_avg or exp_avg_sq), a vocabulary tensor's
+    rows brought to `vocab_rows` (the conversion drops a TP checkpoint's padding rows; padded rows are zero)."""
+    saved = torch.load(os.path.join(zero_dir, name, f"{state}.pt"), map_location="cpu", weights_only=False)
+    tensor = saved["param"].float()
+    if name in ("wte.weight", "lm_head.weight") and tensor.shape[0] != vocab_rows:
+        padding = tensor.new_zeros(max(0, vocab_rows - tensor.shape[0]), tensor.shape[1])
+        tensor = torch.cat([tensor[:vocab_rows], padding])
+    return tensor
+
+
 @torch.no_grad()
 def _load_zero0_universal(engine, zero_dir: str) -> None:
     """A ZeRO-0 engine resuming a checkpoint of another TP size, pipeline layout or ZeRO stage: every parameter
@@ -267,11 +280,7 @@ def _load_zero0_universal(engine, zero_dir: str) -> None:
     position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
 
     def full(name: str, state: str) -> torch.Tensor:
-        saved = torch.load(os.path.join(zero_dir, name, f"{state}.pt"), map_location="cpu", weights_only=False)
-        tensor, rows = saved["param"].float(), model.full_shapes[name][0]
-        if name in ("wte.weight", "lm_head.weight") and tensor.shape[0] != rows:
-            tensor = torch.cat([tensor[:rows], tensor.new_zeros(max(0, rows - tensor.shape[0]), tensor.shape[1])])
-        return tensor
+        return universal_tensor(zero_dir, name, state, model.full_shapes[name][0])
 
     states = {}
     for name, module, attr in parameter_slots(model):

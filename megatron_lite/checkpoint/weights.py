@@ -12,7 +12,7 @@ import os
 import torch
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.sharded import convert_to_universal
+from megatron_lite.checkpoint.sharded import convert_to_universal, universal_tensor
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
 
@@ -48,15 +48,8 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
 
     zero_dir = os.path.join(convert_to_universal(path), "zero")
     rows = padded_vocab_size(model_cfg)
-    state = {}
-    for name in sorted(os.listdir(zero_dir)):
-        if not os.path.isdir(os.path.join(zero_dir, name)):
-            continue
-        full = torch.load(os.path.join(zero_dir, name, "fp32.pt"), weights_only=False)["param"].float()
-        if name in ("wte.weight", "lm_head.weight") and full.shape[0] < rows:
-            full = torch.cat([full, full.new_zeros(rows - full.shape[0], full.shape[1])])
-        state[name] = full
-    return state
+    return {name: universal_tensor(zero_dir, name, "fp32", rows) for name in sorted(os.listdir(zero_dir))
+            if os.path.isdir(os.path.join(zero_dir, name))}
 
 
 def load_model_state(path: str) -> tuple[ModelConfig, dict]:

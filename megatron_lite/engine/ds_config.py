@@ -97,11 +97,17 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
     return ds
 
 
+def decays(shape) -> bool:
+    """Whether AdamW decays a parameter of this shape: matrices (weights, embeddings), not vectors (biases, norm
+    gains). param_groups' rule, which a ZeRO-0 checkpoint's conversion also reads its AdamW state by."""
+    return len(shape) >= 2
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay matrices (weights, embeddings), not vectors (biases, norm gains). A parameter that
+    """AdamW groups: decayed parameters, then the others (`decays`), each in the model's order. A parameter that
     ZeRO-3 partitioned while it was built holds an empty 1-D tensor; its true shape is `ds_shape`."""
     def is_matrix(p) -> bool:
-        return len(getattr(p, "ds_shape", p.shape)) >= 2
+        return decays(getattr(p, "ds_shape", p.shape))
 
     decay = [p for p in model.parameters() if p.requires_grad and is_matrix(p)]
     no_decay = [p for p in model.parameters() if p.requires_grad and not is_matrix(p)]
