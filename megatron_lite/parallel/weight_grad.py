@@ -253,23 +253,25 @@ def linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, param_dtype: to
         dw = g2.t().mm(x2)
     elif torch.compiler.is_compiling():
         dw = torch.ops.megatron_lite.weight_grad_fp32(g2, x2).to(param_dtype)
-    elif not g2.is_cuda:
-        dw = g2.t().to(param_dtype).mm(x2.to(param_dtype))
-    elif _MM_OUT_DTYPE:
-        dw = torch.mm(g2.t(), x2, out_dtype=param_dtype)
-    else:  # an older torch: autocast's rounding
-        dw = g2.t().mm(x2).to(param_dtype)
+    else:
+        dw = _product_in(param_dtype, g2, x2)
     return dw, g2.sum(0, dtype=param_dtype) if has_bias else None
+
+
+def _product_in(dtype: torch.dtype, g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """g2^T x2 in `dtype` from operands of another (eager only: see linear_weight_grads)."""
+    if not g2.is_cuda:
+        return g2.t().to(dtype).mm(x2.to(dtype))
+    if _MM_OUT_DTYPE:
+        return torch.mm(g2.t(), x2, out_dtype=dtype)
+    return g2.t().mm(x2).to(dtype)  # an older torch: autocast's rounding
 
 
 @torch.library.custom_op("megatron_lite::weight_grad_fp32", mutates_args=())
 def _weight_grad_fp32(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """g2^T x2 in fp32 from bf16 operands (linear_weight_grads' product), as an op that torch.compile calls
-    without tracing into it: run outside the traced autocast, and with mm's out_dtype on CUDA, which compile
-    cannot trace (pytorch/pytorch#163275)."""
-    if g2.is_cuda:
-        return torch.mm(g2.t(), x2, out_dtype=torch.float32)
-    return g2.t().float().mm(x2.float())
+    """linear_weight_grads' fp32 product as an op that torch.compile calls without tracing into it: it runs
+    outside the traced autocast, and mm's out_dtype on CUDA is not traceable (pytorch/pytorch#163275)."""
+    return _product_in(torch.float32, g2, x2)
 
 
 @_weight_grad_fp32.register_fake
