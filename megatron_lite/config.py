@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -158,8 +158,12 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/shakespeare-8k"
-    """Directory written by tools/prepare_data.py (train.bin, val.bin, meta.json); relative to the repo."""
+    path: Any = "data/shakespeare-8k"
+    """Directory written by tools/prepare_data.py (train.bin, val.bin, meta.json), relative to the repo; or a
+    list of such directories (prepared with one tokenizer) to train on a blend of them."""
+    weights: Optional[List[float]] = None
+    """With a list of paths: each one's share of the training (and validation) samples, normalized; null = in
+    proportion to their training samples."""
     tokenizer: str = "assets/tokenizers/shakespeare-8k"
     """Local HF tokenizer directory used by prepare_data (the prepared data records which one it used)."""
 
@@ -255,6 +259,11 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 1234
     """Seed of weights, data order and dropout."""
+
+
+def data_paths(path) -> list[str]:
+    """data.path as a list: one directory, or the directories of a blend."""
+    return [path] if isinstance(path, str) else list(path)
 
 
 def repo_path(path: str) -> str:

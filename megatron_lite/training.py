@@ -25,9 +25,8 @@ from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store
 from megatron_lite.checkpoint import weights as checkpoint_weights
 from megatron_lite.checkpoint.writer import AsyncWriter, checkpoint_group
-from megatron_lite.config import Config, repo_path
-from megatron_lite.data.dataset import TokenData, WindowDataset
-from megatron_lite.data.sampler import MicroBatches, val_batches
+from megatron_lite.config import Config, data_paths
+from megatron_lite.data.sampler import MicroBatches, open_streams, val_batches
 from megatron_lite.engine import Engine, StepOutcome
 from megatron_lite.engine.build_locks import clear_stale_build_locks
 from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
@@ -211,11 +210,10 @@ class Trainer:
 
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx
-        data = TokenData(repo_path(cfg.data.path))
-        self.val_set = WindowDataset(data.val, cfg.model.seq_len) if cfg.train.eval_interval else None
-        self.batches = MicroBatches(WindowDataset(data.train, cfg.model.seq_len), cfg.seed,
-                                    cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank,
-                                    ctx.dp_size, consumed)
+        self.data = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed,
+                                 validation=cfg.train.eval_interval > 0)
+        self.batches = MicroBatches(self.data.train, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                    ctx.dp_rank, ctx.dp_size, consumed)
 
     def _announce(self, resume_path: str | None, meta: dict | None, dtype: torch.dtype, peak_source: str) -> None:
         """What this run is: the resume (and any change to the data stream), the restart, the layout."""
@@ -241,6 +239,14 @@ class Trainer:
             f"{ctx.pp_size}{pipeline}), zero {cfg.zero.stage}, {dtype}, accumulation {self.engine.accum}, kernels "
             f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {self.peak / 1e12:.2f} TFLOP/s per "
             f"device ({peak_source})")
+        paths = data_paths(cfg.data.path)
+        if len(paths) > 1:  # each dataset's share and how often the run will have read it
+            shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
+            samples = cfg.train.steps * cfg.train.global_batch_size
+            say(f"data: a blend of {len(paths)}: " + "; ".join(
+                f"{path} {share:.1%} of the samples ({n:,} of its own: {share * samples / n:.2f} epochs by step "
+                f"{cfg.train.steps})"
+                for path, share, n in zip(paths, shares, self.data.samples)))
 
     # --- the loop ---
 
@@ -257,7 +263,7 @@ class Trainer:
             record, outcome = self.step(step)
             skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
             record["skipped_steps"] = skipped_total
-            if self.val_set is not None and step % cfg.train.eval_interval == 0:
+            if self.data.val is not None and step % cfg.train.eval_interval == 0:
                 record.update(self.evaluate())
             fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
             stopped = not fatal and stop.agreed(ctx.device)
@@ -314,7 +320,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Validation loss and perplexity over train.eval_iters global batches."""
         t, ctx = self.cfg.train, self.ctx
-        val = val_batches(self.val_set, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
+        val = val_batches(self.data.val, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
         val_loss = self.engine.dp_mean(self.engine.eval_loss(val))
         return {"val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0)))}
 

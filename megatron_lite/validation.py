@@ -15,7 +15,8 @@ import json
 import math
 import os
 
-from megatron_lite.config import ClusterConfig, Config, repo_path
+from megatron_lite.config import ClusterConfig, Config, data_paths, repo_path
+from megatron_lite.data.sampler import BLEND_BLOCK
 from megatron_lite.errors import ConfigError
 from megatron_lite.pipeline.partition import layers_per_stage
 from megatron_lite.pipeline.schedules import SCHEDULE_CHOICES, SPLIT_BACKWARD, resolve_schedule
@@ -32,6 +33,57 @@ def check(cfg: Config, world_size: int) -> None:
 
 def _fail(key: str, value, why: str, fix: str) -> None:
     raise ConfigError(f"{key}={value} {why}; {fix}")
+
+
+def _check_data(cfg: Config) -> None:
+    """data.path (one prepared directory or a blend of several) and data.weights, from each one's meta.json."""
+    d, m = cfg.data, cfg.model
+    if not isinstance(d.path, str) and not (isinstance(d.path, (list, tuple)) and d.path
+                                            and all(isinstance(p, str) for p in d.path)):
+        _fail("data.path", d.path, "must be a prepared data directory or a non-empty list of them",
+              "use data.path=data/mine or data.path=[data/a,data/b]")
+    paths = data_paths(d.path)
+    key = (lambda k: "data.path") if isinstance(d.path, str) else (lambda k: f"data.path[{k}]")
+    metas = []
+    for k, path in enumerate(paths):
+        if not os.path.exists(os.path.join(repo_path(path), "meta.json")):
+            _fail(key(k), path, "has no prepared data (meta.json missing)",
+                  f"run `make data` or `python tools/prepare_data.py --tokenizer {d.tokenizer} --out {path}`")
+        with open(os.path.join(repo_path(path), "meta.json")) as f:
+            metas.append(json.load(f))
+    for k, meta in enumerate(metas[1:], 1):
+        if (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eos_id")) != \
+                (metas[0].get("tokenizer"), metas[0].get("vocab_size"), metas[0].get("eos_id")):
+            _fail(key(k), paths[k], f"was prepared with tokenizer {meta.get('tokenizer')} ({meta.get('vocab_size')} "
+                  f"tokens), {key(0)}={paths[0]} with {metas[0].get('tokenizer')} ({metas[0].get('vocab_size')})",
+                  "prepare every dataset of a blend with the same tokenizer (tools/prepare_data.py --tokenizer)")
+    if len(set(map(os.path.realpath, map(repo_path, paths)))) < len(paths):
+        _fail("data.path", list(paths), "names a directory twice", "list each once and give it a larger data.weights entry")
+    for k, meta in enumerate(metas):
+        for split, needed, fix in (("train", True, "use more data"),
+                                   ("val", cfg.train.eval_interval > 0, "prepare it with a larger --val-fraction of "
+                                    "tools/prepare_data.py, or set train.eval_interval=0")):
+            tokens = meta.get(f"{split}_tokens", 0)
+            if needed and (tokens - 1) // m.seq_len < 1:
+                _fail(key(k), paths[k], f"has {tokens} {split} tokens, too few for one sample of model.seq_len + 1 = "
+                      f"{m.seq_len + 1}", f"{fix}, or a smaller model.seq_len")
+    data_vocab = metas[0].get("vocab_size", 0)
+    if data_vocab > m.vocab_size:
+        _fail("model.vocab_size", m.vocab_size, f"is smaller than {key(0)}={paths[0]}'s tokenizer ({data_vocab} "
+              "tokens)", f"use model.vocab_size>={data_vocab} or data prepared with a smaller tokenizer")
+    if d.weights is None:
+        return
+    weights = list(d.weights)
+    if len(weights) != len(paths):
+        _fail("data.weights", weights, f"has {len(weights)} entries for {len(paths)} data.path directories",
+              "give one weight per directory of data.path (a list), or data.weights=null")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        _fail("data.weights", weights, "must all be positive numbers", "drop a dataset from data.path instead of "
+              "giving it weight 0")
+    smallest = min(weights) / sum(weights)
+    if smallest < 1 / BLEND_BLOCK:
+        _fail("data.weights", weights, f"gives a dataset {smallest:.2g} of the blend, under the 1/{BLEND_BLOCK} a "
+              "blending block can hold", f"raise its weight to at least {sum(weights) / BLEND_BLOCK:.3g} or drop it")
 
 
 def _choice(key: str, value, allowed) -> None:
@@ -143,15 +195,7 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)", "use [0.9,0.95]")
 
     # --- data, checkpoints, logging ---
-    data_dir = repo_path(cfg.data.path)
-    if not os.path.exists(os.path.join(data_dir, "meta.json")):
-        _fail("data.path", cfg.data.path, "has no prepared data (meta.json missing)",
-              f"run `make data` or `python tools/prepare_data.py --tokenizer {cfg.data.tokenizer} --out {cfg.data.path}`")
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        data_vocab = json.load(f).get("vocab_size", 0)
-    if data_vocab > m.vocab_size:
-        _fail("model.vocab_size", m.vocab_size, f"is smaller than data.path={cfg.data.path}'s tokenizer ({data_vocab} "
-              "tokens)", f"use model.vocab_size>={data_vocab} or data prepared with a smaller tokenizer")
+    _check_data(cfg)
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.keep < 0:
         key = "checkpoint.interval" if cfg.checkpoint.interval < 0 else "checkpoint.keep"
         _fail(key, getattr(cfg.checkpoint, key.split(".")[1]), "must be >= 0", "use 0 to disable")

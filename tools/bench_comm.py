@@ -91,13 +91,11 @@ def tp_analytic(cfg, micro: int, accum: int, tp: int, sp: bool, elem: int) -> fl
 def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, int]:
     from megatron_lite.cli import load
     from megatron_lite.training import run  # noqa: F401  (imports the modules the step needs)
-    from megatron_lite.data.dataset import TokenData, WindowDataset
-    from megatron_lite.data.sampler import MicroBatches
+    from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
     from megatron_lite.model.gpt import GPT
     from megatron_lite.parallel.context import ParallelContext
     from megatron_lite.model.parallelize import parallelize
-    from megatron_lite.config import repo_path
 
     cfg = load(overrides)
     ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp)
@@ -107,9 +105,8 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
     model = parallelize(GPT(cfg.model, tp=ctx.tp_size), ctx.tp_group, cfg.parallel.sp)
     n_params = sum(p.numel() for p in model.parameters())  # this rank's (TP-sharded) parameters
     engine = Engine(cfg, model, ctx)
-    data = WindowDataset(TokenData(repo_path(cfg.data.path)).train, cfg.model.seq_len)
-    batches = MicroBatches(data, cfg.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                           ctx.dp_rank, ctx.dp_size)
+    stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
+    batches = MicroBatches(stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
     engine.train_step(batches.next_step(), 1e-3, 1)  # warm-up step (first-use gathers, buffers)
     counter.bytes.clear()
     counter.active = True

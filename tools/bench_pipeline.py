@@ -280,9 +280,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     """One pp=2 x dp=2 training step with zero.stage=stage, collectives counted by group and phase."""
     from kernels import resolve_backend
     from megatron_lite.cli import load
-    from megatron_lite.config import repo_path
-    from megatron_lite.data.dataset import TokenData, WindowDataset
-    from megatron_lite.data.sampler import MicroBatches
+    from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
     from megatron_lite.model.gpt import GPT
     from megatron_lite.parallel.context import ParallelContext
@@ -309,8 +307,8 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
         return plain_step(*args, **kwargs)
 
     engine.ds_engine.step = step
-    data = WindowDataset(TokenData(repo_path(cfg.data.path)).train, cfg.model.seq_len)
-    batches = MicroBatches(data, cfg.seed, cfg.train.global_batch_size, micro, ctx.dp_rank, ctx.dp_size)
+    stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
+    batches = MicroBatches(stream, cfg.train.global_batch_size, micro, ctx.dp_rank, ctx.dp_size)
     engine.train_step(batches.next_step(), 1e-3, 1)  # warm-up
     counter.bytes.clear()
     counter.calls.clear()

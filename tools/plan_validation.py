@@ -115,9 +115,7 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
     import torch.distributed as dist
 
     from megatron_lite.cli import load
-    from megatron_lite.config import repo_path
-    from megatron_lite.data.dataset import TokenData, WindowDataset
-    from megatron_lite.data.sampler import MicroBatches
+    from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.engine import Engine
     from megatron_lite.memory import LiveTensorBytes
@@ -137,9 +135,8 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
         model = build_model(cfg, ctx, dtype=dtype, partition=partition)
         model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         engine = Engine(cfg, model, ctx)
-        data = WindowDataset(TokenData(repo_path(cfg.data.path)).train, cfg.model.seq_len)
-        batches = MicroBatches(data, cfg.seed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                               ctx.dp_rank, ctx.dp_size)
+        stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
+        batches = MicroBatches(stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
         for step in (1, 2):
             engine.train_step(batches.next_step(), 1e-3, step)
         live = tracker.storages()

@@ -86,7 +86,7 @@ def first_sound(root: str) -> str | None:
 
 # The settings that decide which samples each step sees (data/sampler.py); model.seq_len is checked with the
 # model (check_resume).
-DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("train", "global_batch_size"))
+DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("data", "weights"), ("train", "global_batch_size"))
 
 
 def data_stream_changes(saved_config: dict, cfg) -> list[str]:

@@ -10,11 +10,12 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
-from tests.distributed.common import (assert_same_hf_export, max_abs_diff, max_relative_diff, overrides,
-                                      real_corpus_overrides)
+from tests.distributed.common import (TEST_VOCAB, assert_same_hf_export, max_abs_diff, max_relative_diff, overrides,
+                                      real_corpus_overrides, test_corpus, write_prepared)
 from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
@@ -49,9 +50,16 @@ def straights_then_resumed(nproc: int, tmp_path, layouts: dict[str, list[str]]) 
 
 
 def test_exact_resume_8_equals_4_plus_4(tmp_path):
-    """8 straight steps (saving at 4) vs a fresh process resuming from step 4: loss and grad norm <= 1e-6."""
-    straight, resumed = straight_then_resumed(1, tmp_path, [])
-    assert_continues(resumed, straight, 1e-6, "resumed steps 5-8")
+    """8 straight steps (saving at 4) vs a fresh process resuming from step 4: loss and grad norm <= 1e-6; also
+    for a blend of two datasets (data.path a list, data.weights), whose stream the resume must pick up in both."""
+    other = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", "train.bin"), dtype=np.uint16,
+                        count=120_000)[40_000:] % TEST_VOCAB  # later text than the folded corpus's
+    second = write_prepared(tmp_path / "second", {"train": other[:60_000], "val": other[60_000:]}, TEST_VOCAB)
+    blend = [f"data.path=[{test_corpus()[0].split('=', 1)[1]},{second}]", "data.weights=[1,3]"]
+    runs = straights_then_resumed(1, tmp_path, {"straight": [], "blend": blend})
+    for name, (straight, resumed) in runs.items():
+        assert_continues(resumed, straight, 1e-6, f"{name}: resumed steps 5-8")
+    assert max_abs_diff(runs["blend"][0]["losses"], runs["straight"][0]["losses"]) > 1e-2  # other samples
 
 
 def test_exact_resume_with_tensor_parallel_and_dropout(tmp_path):

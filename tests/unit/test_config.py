@@ -1,5 +1,6 @@
 """Bad configuration fails before any process group exists, with one line: key, value, why, fix."""
 
+import json
 import os
 import subprocess
 import sys
@@ -20,8 +21,17 @@ def _isolated_cwd(tmp_path, monkeypatch):
 
 @pytest.fixture
 def data_dir(tmp_path):
-    (tmp_path / "meta.json").write_text("{}")
-    return str(tmp_path)
+    return prepared(tmp_path)
+
+
+def prepared(path, tokenizer: str = "assets/tokenizers/shakespeare-8k", vocab: int = 8192, train: int = 100_000,
+             val: int = 10_000) -> str:
+    """A directory whose meta.json says it holds prepared data (validation reads only that)."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": vocab, "eos_id": 0, "tokenizer": tokenizer, "train_tokens": train,
+                   "val_tokens": val}, f)
+    return str(path)
 
 
 # (overrides, world size, text the one-line message must contain)
@@ -143,8 +153,7 @@ def test_nvme_offload_without_async_io_is_refused_in_one_line(data_dir, monkeypa
 
 
 def test_data_tokenizer_larger_than_the_model_vocabulary(data_dir):
-    with open(os.path.join(data_dir, "meta.json"), "w") as f:
-        f.write('{"vocab_size": 50257}')
+    prepared(data_dir, tokenizer="assets/tokenizers/gpt2", vocab=50257)
     with pytest.raises(ConfigError, match=r"^model.vocab_size=8192 is smaller than data.path="):
         load([f"data.path={data_dir}"], world_size=1)
 
@@ -177,3 +186,35 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
         load(args + ["zero.stage=3", "parallel.tp=2"], world_size=2)
     with pytest.raises(ConfigError, match=r"^zero.stage=0 cannot resume .* zero.stage=3; use zero.stage=3, 1 or 2"):
         load(args + ["zero.stage=0"], world_size=1)
+
+
+BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides, the message's start)
+    ([{}, {"tokenizer": "assets/tokenizers/gpt2", "vocab": 50257}], [],
+     r"^data.path\[1\]=\S+/d1 was prepared with tokenizer assets/tokenizers/gpt2 \(50257 tokens\), data.path\[0\]="),
+    ([{}, {}], ["data.weights=[1.0]"], r"^data.weights=\[1.0\] has 1 entries for 2 data.path directories"),
+    ([{}, {}], ["data.weights=[1.0,0.0]"], r"^data.weights=\[1.0, 0.0\] must all be positive"),
+    ([{}, {}], ["data.weights=[1.0,-2.0]"], r"^data.weights=\[1.0, -2.0\] must all be positive"),
+    ([{}, {}], ["data.weights=[1.0,0.00001]"], r"^data.weights=\[1.0, 1e-05\] gives a dataset 1e-05 of the blend"),
+    ([{}, {"train": 100}], [], r"^data.path\[1\]=\S+/d1 has 100 train tokens, too few for one sample of "
+                               r"model.seq_len \+ 1 = 129; use more data"),
+    ([{"val": 0}], [], r"^data.path=\S+/d0 has 0 val tokens, too few .*train.eval_interval=0"),
+]
+
+
+@pytest.mark.parametrize("dirs,overrides,expected", BAD_DATA, ids=[" ".join(b[1]) or b[2][:30] for b in BAD_DATA])
+def test_bad_data_gives_one_line(dirs, overrides, expected, tmp_path):
+    paths = [prepared(tmp_path / f"d{k}", **d) for k, d in enumerate(dirs)]
+    path = paths[0] if len(paths) == 1 else "[" + ",".join(paths) + "]"
+    with pytest.raises(ConfigError, match=expected) as err:
+        load([f"data.path={path}", *overrides], world_size=1)
+    assert "\n" not in str(err.value) and ";" in str(err.value)
+
+
+def test_a_blend_names_each_directory_once_and_composes(tmp_path):
+    a, b = prepared(tmp_path / "a"), prepared(tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"^data.path=\[.*\] names a directory twice"):
+        load([f"data.path=[{a},{b},{a}/]"], world_size=1)
+    cfg = load([f"data.path=[{a},{b}]", "data.weights=[3,1]"], world_size=1)
+    assert cfg.data.path == [a, b] and cfg.data.weights == [3.0, 1.0]
+    assert load([f"data.path={a}"], world_size=1).data.path == a  # one directory stays a string
+    assert load([f"data.path={a}", "train.eval_interval=0"], world_size=1).data.weights is None

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from megatron_lite.data.dataset import TokenData, WindowDataset
-from megatron_lite.data.sampler import MicroBatches, global_sample_index, val_batches
+from megatron_lite.data.sampler import (BLEND_BLOCK, Blend, Cycled, MicroBatches, Shuffled, block_counts,
+                                        global_sample_index, open_streams, val_batches)
 from tools import prepare_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,7 +141,7 @@ class Identity:
 
 def step_samples(dp: int, steps: int, consumed: int = 0, seed: int = 7, n: int = 50) -> list[list[int]]:
     """Per step of a global batch of 16, the samples all DP ranks see, in (micro-batch, rank) order."""
-    ranks = [MicroBatches(Identity(n), seed, 16, 2, r, dp, consumed) for r in range(dp)]
+    ranks = [MicroBatches(Shuffled(Identity(n), (seed,)), 16, 2, r, dp, consumed) for r in range(dp)]
     out = []
     for _ in range(steps):
         per_rank = [[b.flatten().tolist() for b in r.next_step()] for r in ranks]
@@ -175,14 +176,107 @@ def test_val_batches_are_the_same_samples_at_every_dp_size():
     """An iteration is one global batch, dealt over dp like a training step: the set (and so val_loss) does not
     depend on dp or the micro-batch size; micro-batch j of rank r matches the training stream's layout."""
     ds = Identity(40)
-    whole = torch.cat(val_batches(ds, 8, 2, 0, 1, 3)).flatten().tolist()
+    whole = torch.cat(val_batches(Cycled(ds), 8, 2, 0, 1, 3)).flatten().tolist()
     assert whole == list(range(24))
     for micro, dp in ((2, 2), (4, 2), (1, 4), (2, 4), (8, 1)):
-        parts = [val_batches(ds, 8, micro, r, dp, 3) for r in range(dp)]
+        parts = [val_batches(Cycled(ds), 8, micro, r, dp, 3) for r in range(dp)]
         accum = 8 // (micro * dp)
         assert all(len(p) == 3 * accum and all(len(b) == micro for b in p) for p in parts)
         # micro-batch j of iteration k on rank r: samples k*8 + (j*dp + r)*micro ...
         merged = [s for k in range(3) for j in range(accum) for r in range(dp)
                   for s in parts[r][k * accum + j].flatten().tolist()]
         assert merged == whole, (micro, dp)
-    assert torch.cat(val_batches(Identity(10), 4, 4, 0, 1, 3)).flatten().tolist() == [*range(10), 0, 1]  # wraps
+    assert torch.cat(val_batches(Cycled(Identity(10)), 4, 4, 0, 1, 3)).flatten().tolist() == [*range(10), 0, 1]  # wraps
+
+
+def test_one_dataset_keeps_its_stream():
+    """A single data.path reads the stream earlier runs read (default_rng([seed, epoch]) a permutation per epoch), so
+    their checkpoints resume onto the same samples."""
+    stream = Shuffled(Identity(50), (7,))
+    expected = [int(np.random.default_rng([7, i // 50]).permutation(50)[i % 50]) for i in range(130)]
+    assert [stream(i).item() for i in range(130)] == expected
+    assert [stream(i).item() for i in (120, 3, 77)] == [expected[120], expected[3], expected[77]]  # any order
+
+
+class Tagged(Identity):
+    """Dataset `tag`'s sample i is the tensor [tag * 1000 + i]."""
+
+    def __init__(self, n, tag):
+        super().__init__(n)
+        self.tag = tag
+
+    def __getitem__(self, i):
+        assert 0 <= i < self.n
+        return torch.tensor([self.tag * 1000 + i])
+
+
+def test_block_counts_round_by_largest_remainder():
+    assert block_counts([0.7, 0.2, 0.1], 10).tolist() == [7, 2, 1]
+    assert block_counts([3, 1], BLEND_BLOCK).tolist() == [12288, 4096]  # weights need not sum to 1
+    assert block_counts([1, 1, 1], BLEND_BLOCK).tolist() == [5462, 5461, 5461]  # ties: the earlier dataset
+    assert block_counts([0.26, 0.37, 0.37], 10).tolist() == [2, 4, 4]
+
+
+def test_a_blend_holds_every_share_at_every_prefix_and_reads_each_dataset_in_its_own_order():
+    sizes, weights, block = (7, 40, 300), (0.5, 0.3, 0.2), 100
+    streams = [Shuffled(Tagged(n, k), (5, k)) for k, n in enumerate(sizes)]
+    blend = Blend(streams, list(weights), block=block)
+    n = 5 * block + 37  # five blocks and part of a sixth
+    tags = [blend(i).item() for i in range(n)]
+    seen = np.zeros(3, dtype=np.int64)
+    for i, t in enumerate(tags):
+        seen[t // 1000] += 1
+        assert np.abs(seen - np.asarray(weights) * (i + 1)).max() <= 1.0, (i, seen)  # within a sample at every prefix
+    for k, size in enumerate(sizes):  # dataset k's samples are its own stream, in order: none skipped or repeated
+        mine = [t % 1000 for t in tags if t // 1000 == k]
+        assert mine == [streams[k](j).item() % 1000 for j in range(len(mine))]
+    first_epochs = [t % 1000 for t in tags if t // 1000 == 0][:35]  # the small dataset: 5 epochs, each a permutation
+    assert all(sorted(first_epochs[e * 7:(e + 1) * 7]) == list(range(7)) for e in range(5))
+    assert first_epochs[:7] != first_epochs[7:14]
+
+
+def test_blends_differ_by_seed_and_are_independent_of_dp():
+    def blend(seed):
+        return Blend([Shuffled(Tagged(n, k), (seed, k)) for k, n in enumerate((30, 50))], [1, 3], block=64)
+
+    a, b = blend(7), blend(8)
+    assert [a(i).item() for i in range(100)] != [b(i).item() for i in range(100)]
+    assert [blend(7)(i).item() for i in range(100)] == [a(i).item() for i in range(100)]
+
+    def steps(dp, consumed=0, n_steps=5):
+        ranks = [MicroBatches(blend(7), 16, 2, r, dp, consumed) for r in range(dp)]
+        out = []
+        for _ in range(n_steps):
+            per_rank = [[b.flatten().tolist() for b in r.next_step()] for r in ranks]
+            out.append([s for j in range(16 // (2 * dp)) for r in range(dp) for s in per_rank[r][j]])
+        return out
+
+    one = steps(1)
+    assert [s for step in one for s in step] == [a(i).item() for i in range(80)]
+    assert steps(2) == steps(4) == one
+    assert steps(4, consumed=32, n_steps=3) == one[2:]  # resumed at another dp size
+
+
+def test_open_streams_blends_prepared_directories(tmp_path, tok8k):
+    dirs = []
+    for k, docs in enumerate((DOCS, [d.upper() for d in DOCS] * 3)):
+        write_docs(tmp_path / f"src{k}", "txt", docs)
+        prepare_data.main(["--input", str(tmp_path / f"src{k}"), "--tokenizer", TOK8K, "--out", str(tmp_path / f"out{k}"),
+                           "--val-fraction", "0.25"])
+        dirs.append(str(tmp_path / f"out{k}"))
+    seq = 4
+    windows = [WindowDataset(TokenData(d).train, seq) for d in dirs]
+    vals = [WindowDataset(TokenData(d).val, seq) for d in dirs]
+    streams = open_streams(dirs, None, seq, seed=3, validation=True)
+    assert streams.samples == [len(w) for w in windows] and streams.weights == streams.samples  # unset: by size
+    counts = block_counts(streams.weights)
+    for i in range(0, 3 * BLEND_BLOCK, 997):  # every sample is a window of the dataset the blend names
+        k, j = streams.train.locate(i)
+        assert torch.equal(streams.train(i), windows[k][streams.train.streams[k].index(j)])
+        assert j < (i // BLEND_BLOCK + 1) * counts[k]
+        kv, jv = streams.val.locate(i)
+        assert torch.equal(streams.val(i), vals[kv][jv % len(vals[kv])]) and kv == k  # val: the same layout, in order
+    assert open_streams(dirs, [1, 1], seq, seed=3, validation=False).val is None
+    one = open_streams(dirs[0], None, seq, seed=3, validation=False).train
+    assert [one(i).tolist() for i in range(9)] == [windows[0][global_sample_index(3, len(windows[0]), i)].tolist()
+                                                   for i in range(9)]
