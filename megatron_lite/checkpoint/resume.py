@@ -45,13 +45,13 @@ def _pick_auto(root: str, problem_of) -> tuple[str | None, list[str]]:
 
 
 def _none_sound(root: str, notes: list[str]) -> str | None:
-    """The one-line message when resume=auto found checkpoints but none sound; None when there were none."""
-    leftovers = store.uncommitted_leftovers(root)
-    if not notes and not leftovers:
+    """The one-line message when resume=auto found committed checkpoints but none sound; None when none was
+    ever committed there. Step directories without meta.json alone (a first save that was interrupted) are not
+    checkpoints: the run starts fresh and its own saves replace or prune them (store.clear_for_write, prune)."""
+    if not notes:
         return None
-    found = "; ".join(notes) or f"only uncommitted step directories ({', '.join(leftovers)})"
-    return (f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {found}. Nothing was "
-            "deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir")
+    return (f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {'; '.join(notes)}. "
+            "Nothing was deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir")
 
 
 def choose_resume(resume: str, root: str, ctx) -> str | None:
@@ -74,6 +74,11 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
     message = _none_sound(root, notes)
     if message is not None:
         raise RunError(message)
+    leftovers = store.uncommitted_leftovers(root)
+    if leftovers and ctx.is_rank0:
+        names = ", ".join(map(os.path.basename, leftovers))
+        warn(f"checkpoint.dir={root} holds only step directories that never committed ({names}: an interrupted "
+             "first save); starting from step 0")
     return None
 
 

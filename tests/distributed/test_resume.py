@@ -71,16 +71,17 @@ def test_exact_resume_with_tensor_parallel_and_dropout(tmp_path):
     assert_continues(resumed, straight, 1e-6, "tp=2 resume")
 
 
-def killed_writing_step_4(args: list[str], ckpt: str, **env: str) -> subprocess.CompletedProcess:
+def killed_writing_step_4(args: list[str], ckpt: str, step: int = 4, **env: str) -> subprocess.CompletedProcess:
     """Run 2 ranks of fault_worker.py, rank 1 SIGKILLed while it writes step 4's checkpoint (env: more fault
-    knobs); the job fails, `latest` stays step 2 and step 4 never commits. Returns the job."""
+    knobs); the job fails, `latest` stays step 2 (with step=2, the first save: there is none) and step 4 never
+    commits. Returns the job."""
     crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
-                             env=rank_env(KILL_RANK="1", KILL_TAG=step_name(4), **env), cwd=ROOT,
+                             env=rank_env(KILL_RANK="1", KILL_TAG=step_name(step), **env), cwd=ROOT,
                              capture_output=True, text=True, timeout=600)
     clean_shared_memory()
     assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
-    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(2))
-    assert not os.path.exists(os.path.join(ckpt, step_name(4), "meta.json"))
+    assert latest_checkpoint(ckpt) == (os.path.join(ckpt, step_name(step - 2)) if step > 2 else None)
+    assert not os.path.exists(os.path.join(ckpt, step_name(step), "meta.json"))
     return crashed
 
 
@@ -102,6 +103,24 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     assert len(resumed["losses"]) == 6
     assert_continues(resumed, straight, 1e-6, f"zero.stage={stage}: restart from step 2")
     assert os.path.isfile(os.path.join(ckpt, step_name(4), "meta.json"))  # rewritten cleanly this time
+
+
+def test_killed_first_checkpoint_write_starts_fresh(tmp_path):
+    """Rank 1 dies while writing the first checkpoint (step 2), leaving a step directory that never committed and no
+    `latest`: the restart (resume=auto, as torchrun --max-restarts and a Slurm requeue run it) must start from step
+    0, not refuse, and train the uninterrupted trajectory, its own save of step 2 replacing the leftover."""
+    args = real_corpus_overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1")
+    ckpt = f"{tmp_path}/run/checkpoints"
+    killed_writing_step_4(args, ckpt, step=2)
+    restarted, straight = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
+                                                       "zero.stage=1"],
+                                          real_corpus_overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")],
+                                      tmp_path)
+    assert len(restarted["losses"]) == 8
+    assert_continues(restarted, straight, 1e-6, "restart after an interrupted first save")
+    assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
+    assert os.path.isfile(os.path.join(ckpt, step_name(2), "meta.json")) or not os.path.exists(
+        os.path.join(ckpt, step_name(2)))  # rewritten (or pruned by checkpoint.keep), never the leftover
 
 
 def resume_at(tmp_path, name: str, layout: list[str], dp_to: int) -> list[str]:

@@ -102,6 +102,25 @@ def test_config_time_refusals(tmp_path):
     load([*base, "checkpoint.resume=never"], world_size=1)
 
 
+def test_only_uncommitted_step_directories_start_fresh(tmp_path, capsys):
+    """An interrupted first save leaves a step directory without meta.json and no `latest`: nothing was ever
+    committed, so resume=auto starts from step 0 (at config time and in the ranks), saying so; the run's own save
+    of that step replaces the leftover."""
+    from types import SimpleNamespace
+
+    from megatron_lite.checkpoint.resume import choose_resume
+
+    root = str(tmp_path / "ckpt")
+    leftover = os.path.join(root, store.step_name(2))
+    os.makedirs(leftover)
+    with open(shard(leftover), "wb") as f:
+        f.write(b"half")
+    load([f"checkpoint.dir={root}", "checkpoint.resume=auto", "train.precision=fp32"], world_size=1)
+    assert choose_resume("auto", root, SimpleNamespace(is_rank0=True, rank=0, world_size=1)) is None
+    assert "holds only step directories that never committed (step_0000002" in capsys.readouterr().out
+    assert store.clear_for_write(leftover) is None and not os.path.exists(leftover)
+
+
 def test_steps_past_ten_million_resume_and_prune_in_step_order(tmp_path):
     """step_%07d grows an eighth digit at 10,000,000: such directories are candidates, ordered by step (not by
     name, where step_10000000 sorts before step_9999999), and pruned oldest first."""
