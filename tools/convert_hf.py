@@ -19,19 +19,23 @@ attention_bias / mlp_bias, head_dim != hidden_size / heads, hub downloads (local
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.checkpoint.weights import load_model_state, save_model_state  # noqa: E402
-from megatron_lite.config import ModelConfig  # noqa: E402
+from megatron_lite.checkpoint.store import LATEST, read_meta  # noqa: E402
+from megatron_lite.checkpoint.weights import load_model_state, save_model_state, step_dir  # noqa: E402
+from megatron_lite.config import ModelConfig, data_paths, repo_path  # noqa: E402
 from megatron_lite.model.gpt import padded_vocab_size  # noqa: E402
 from megatron_lite.model.layout import segments_of  # noqa: E402
 
 FLAVOURS = ("gpt2", "llama")
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Non-persistent or legacy HF buffers: causal masks (GPT-2, transformers < 5) and RoPE frequency tables.
 _HF_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
@@ -95,16 +99,18 @@ def hf_config_to_model_config(hf_config) -> ModelConfig:
     _refuse("model_type", hf.model_type, "use a GPT-2 (GPT2LMHeadModel) or Llama (LlamaForCausalLM) model")
 
 
-def _hf_config(cfg: ModelConfig, flavour: str):
+def _hf_config(cfg: ModelConfig, flavour: str, special: dict | None = None):
+    """HF config of our model; special: bos/eos/pad token ids (unknown ones None, not the flavour's defaults,
+    which belong to another tokenizer: Llama's eos 2 is a '"' in the bundled 8k one)."""
     from transformers import GPT2Config, LlamaConfig
+
+    special = {**dict.fromkeys(SPECIAL_TOKENS), **(special or {})}
 
     if flavour == "gpt2":
         if not (cfg.norm == "layernorm" and cfg.activation == "gelu" and cfg.bias and cfg.kv_heads == cfg.n_heads):
             _refuse("GPT-2 export of norm/activation/bias/n_kv_heads",
                     f"{cfg.norm}/{cfg.activation}/{cfg.bias}/{cfg.kv_heads}",
                     f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; export as llama instead")
-        # GPT-2's default bos/eos id (50256) is invalid for a smaller vocabulary; HF warns unless unset.
-        special = {} if cfg.vocab_size > 50256 else {"bos_token_id": None, "eos_token_id": None}
         return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
                           n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
                           layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -117,7 +123,7 @@ def _hf_config(cfg: ModelConfig, flavour: str):
                        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
                        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                        attention_bias=cfg.bias, mlp_bias=cfg.bias, tie_word_embeddings=cfg.tie_embeddings,
-                       hidden_act="silu")
+                       hidden_act="silu", **special)
 
 
 # --- name tables -----------------------------------------------------------------------------------------------
@@ -191,15 +197,17 @@ def hf_to_ours(hf_state_dict: dict, hf_config) -> tuple[ModelConfig, dict]:
     return cfg, {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in out.items()}
 
 
-def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None = None) -> tuple[object, dict]:
-    """(HF config, HF state dict) for our weights; flavour gpt2 or llama, by default gpt2 for learned positions."""
+def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None = None,
+               special: dict | None = None) -> tuple[object, dict]:
+    """(HF config, HF state dict) for our weights; flavour gpt2 or llama, by default gpt2 for learned positions;
+    special: the bos/eos/pad token ids to record (special_tokens)."""
     cfg, sd = model_cfg, our_state_dict
     flavour = flavour or _flavour_of(cfg)
     if flavour not in FLAVOURS:
         _refuse("flavour", flavour, f"use one of {', '.join(FLAVOURS)}")
     if (flavour == "gpt2") != (cfg.position == "learned"):
         _refuse(f"{flavour} export of position", cfg.position, "GPT-2 has learned positions, Llama RoPE")
-    hf_cfg = _hf_config(cfg, flavour)
+    hf_cfg = _hf_config(cfg, flavour, special)
     out = {}
     for ours, theirs, transposed in _table(cfg, flavour):  # fused tensors split into HF's separate ones
         w = sd[ours].t() if transposed else sd[ours]
@@ -213,16 +221,48 @@ def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None
 
 # --- command line --------------------------------------------------------------------------------------------
 
+def special_tokens(meta: dict) -> dict:
+    """bos/eos/pad ids of a checkpoint's tokenizer: those an import recorded; for a trained checkpoint, the end of
+    document of the data it trained on (data.path's meta.json), which is the only special token our data has, as
+    bos and eos (GPT-2's convention); None where unknown."""
+    if meta["kind"] == "weights":
+        return {k: v for k, v in meta.get("special_tokens", {}).items() if k in SPECIAL_TOKENS}
+    path = meta.get("config", {}).get("data", {}).get("path")
+    try:
+        with open(os.path.join(repo_path(data_paths(path)[0]), "meta.json")) as f:
+            eos = json.load(f)["eos_id"]
+    except (OSError, KeyError, TypeError, ValueError, IndexError):
+        return {}
+    return {"bos_token_id": eos, "eos_token_id": eos}
+
+
 def import_hf(hf_dir: str, ckpt_dir: str) -> str:
-    """HF directory -> weights-only checkpoint under ckpt_dir; returns the step directory."""
+    """HF directory -> weights-only checkpoint under ckpt_dir (new or empty); returns the step directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"{hf_dir} is not a directory; pass a local HF model directory (no hub downloads)")
+    held = sorted(n for n in os.listdir(ckpt_dir) if n == LATEST or n.startswith("step_")) \
+        if os.path.isdir(ckpt_dir) else []
+    if held:  # the import commits step 0 and moves `latest` to it: a run there would start over its checkpoints
+        raise ConversionError(f"checkpoint_dir={ckpt_dir} already holds checkpoints ({', '.join(held[:3])}); import "
+                              "into a new or empty directory and train with checkpoint.dir set to it")
     hf_config_to_model_config(AutoConfig.from_pretrained(hf_dir, local_files_only=True))  # refuse before loading
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
     cfg, sd = hf_to_ours(model.state_dict(), model.config)
-    return save_model_state(ckpt_dir, cfg, sd)
+    special = {k: getattr(model.config, k, None) for k in SPECIAL_TOKENS}
+    return save_model_state(ckpt_dir, cfg, sd, extra_meta={"special_tokens": special})
+
+
+def model_overrides(cfg: ModelConfig) -> str:
+    """The model.* overrides that train a checkpoint of this shape: every field that differs from the defaults."""
+    default = ModelConfig()
+    return " ".join(f"model.{f.name}={_override_value(getattr(cfg, f.name))}" for f in fields(cfg)
+                    if getattr(cfg, f.name) != getattr(default, f.name))
+
+
+def _override_value(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:
@@ -230,7 +270,7 @@ def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     cfg, sd = load_model_state(ckpt_path)
-    hf_cfg, hf_sd = ours_to_hf(cfg, sd, flavour)
+    hf_cfg, hf_sd = ours_to_hf(cfg, sd, flavour, special_tokens(read_meta(step_dir(ckpt_path))))
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.load_state_dict(hf_sd, strict=True)
     model.save_pretrained(hf_dir)
@@ -249,7 +289,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
-            print(f"wrote {import_hf(args.hf_dir, args.checkpoint_dir)}")
+            path = import_hf(args.hf_dir, args.checkpoint_dir)
+            shape = model_overrides(ModelConfig(**read_meta(path)["model"]))
+            print(f"wrote {path}; train from it with: python train.py checkpoint.dir={args.checkpoint_dir} {shape}")
         else:
             export_hf(args.checkpoint_path, args.hf_dir, args.flavour)
             print(f"wrote {args.hf_dir}")

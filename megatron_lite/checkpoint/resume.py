@@ -89,9 +89,10 @@ def first_sound(root: str) -> str | None:
 
 # --- layouts -------------------------------------------------------------------------------------------
 
-# The settings that decide which samples each step sees (data/sampler.py); model.seq_len is checked with the
-# model (check_resume).
-DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("data", "weights"), ("train", "global_batch_size"))
+# The settings that decide which samples each step sees (data/sampler.py); model.seq_len may change only with
+# RoPE (check_resume).
+DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("data", "weights"), ("model", "seq_len"),
+                    ("train", "global_batch_size"))
 
 
 def data_stream_changes(saved_config: dict, cfg) -> list[str]:
@@ -134,10 +135,15 @@ def check_resume(cfg, world_size: int) -> None:
                               "(checkpoint.resume=auto), or write to another checkpoint.dir")
     meta = read_meta(path)
     saved = meta["model"] if meta["kind"] == "weights" else meta["config"]["model"]
-    for key, value in asdict(cfg.model).items():
-        if key not in ("name", "dropout") and saved.get(key) != value:
-            raise ConfigError(f"model.{key}={value} differs from the checkpoint {path} (model.{key}={saved.get(key)}); "
-                              f"use model.{key}={saved.get(key)}, or checkpoint.resume=never / another checkpoint.dir")
+    differ = {key: (value, saved.get(key)) for key, value in asdict(cfg.model).items()
+              if key not in ("name", "dropout") and saved.get(key) != value}
+    if cfg.model.position == "rope" == saved.get("position"):  # RoPE's tables are computed for any length
+        differ.pop("seq_len", None)
+    if differ:  # every differing key at once: an imported model's shape is typed in one go
+        ours = ", ".join(f"model.{key}={value}" for key, (value, _) in differ.items())
+        theirs = " ".join(f"model.{key}={old}" for key, (_, old) in differ.items())
+        raise ConfigError(f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
+                          f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
         saved = Layout.of_checkpoint(meta)
         layout = Layout.of_run(cfg, world_size)

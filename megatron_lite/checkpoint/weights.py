@@ -17,7 +17,8 @@ from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta
 from megatron_lite.config import ModelConfig
 
 
-def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0) -> str:
+def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0,
+                     extra_meta: dict | None = None) -> str:
     """Write a committed weights-only checkpoint (one process, no DeepSpeed); returns its directory."""
     from dataclasses import asdict
 
@@ -28,7 +29,7 @@ def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, s
                os.path.join(path, "model.pt"))
     store.fsync_tree(path)
     meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg),
-            "manifest": store.manifest_share(path, 0, 1)}
+            "manifest": store.manifest_share(path, 0, 1), **(extra_meta or {})}
     atomic_write(os.path.join(path, META), json.dumps(meta, indent=1))
     atomic_write(os.path.join(ckpt_root, LATEST), tag)
     return path
@@ -52,13 +53,19 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
             if os.path.isdir(os.path.join(zero_dir, name))}
 
 
-def load_model_state(path: str) -> tuple[ModelConfig, dict]:
-    """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
+def step_dir(path: str) -> str:
+    """A checkpoint path as given: a root with `latest` resolves to the step directory it names."""
     if os.path.isfile(os.path.join(path, LATEST)):
         resolved = store.latest_checkpoint(path)
         if resolved is None:
             raise FileNotFoundError(f"{path}/latest names no complete checkpoint")
-        path = resolved
+        return resolved
+    return path
+
+
+def load_model_state(path: str) -> tuple[ModelConfig, dict]:
+    """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
+    path = step_dir(path)
     meta = read_meta(path)
     model_cfg = _model_cfg_from_meta(meta)
     if meta["kind"] == "weights":

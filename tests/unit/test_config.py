@@ -176,16 +176,23 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     args = [f"data.path={data_dir}", f"checkpoint.dir={tmp_path}/ckpt"]
     with pytest.raises(ConfigError, match=r"^model.n_layers=6 differs from the checkpoint"):
         load(args + ["model.n_layers=6"], world_size=1)
+    with pytest.raises(ConfigError, match=r"^model.n_layers=6, model.d_model=64, model.seq_len=64 differ from the "
+                                          r"checkpoint \S+ \(model.n_layers=4 model.d_model=128 model.seq_len=128\); "
+                                          r"use model.n_layers=4 model.d_model=128 model.seq_len=128, or"):
+        load(args + ["model.n_layers=6", "model.d_model=64", "model.seq_len=64"], world_size=1)
     with pytest.raises(ConfigError, match=r"^zero.stage=3 cannot resume .* zero.stage=0; use zero.stage=0, 1 or 2"):
         load(args + ["zero.stage=3"], world_size=1)
     # ZeRO-0 converts to and from ZeRO 1-2, at any DP, TP or pipeline layout (checkpoint/sharded.py)
     assert load(args + ["zero.stage=2", "parallel.tp=2"], world_size=2).zero.stage == 2
     assert load(args + ["zero.stage=0", "parallel.pp=2", "parallel.schedule=gpipe"], world_size=2).parallel.pp == 2
+    cfg = load([f"data.path={data_dir}", "model=llama-tiny"], world_size=1)
+    write(0)  # RoPE computes its tables for any length: a llama resumes (or fine-tunes an import) at another seq_len
+    assert load(args + ["model=llama-tiny", "model.seq_len=64"], world_size=1).model.seq_len == 64
     write(3)
     with pytest.raises(ConfigError, match=r"^parallel.tp=2 cannot resume .* zero.stage=3; TP resharding works among"):
-        load(args + ["zero.stage=3", "parallel.tp=2"], world_size=2)
+        load(args + ["model=llama-tiny", "zero.stage=3", "parallel.tp=2"], world_size=2)
     with pytest.raises(ConfigError, match=r"^zero.stage=0 cannot resume .* zero.stage=3; use zero.stage=3, 1 or 2"):
-        load(args + ["zero.stage=0"], world_size=1)
+        load(args + ["model=llama-tiny", "zero.stage=0"], world_size=1)
 
 
 BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides, the message's start)

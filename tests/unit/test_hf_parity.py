@@ -93,10 +93,15 @@ def test_buffers_are_skipped_and_stray_weights_refused():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-untied"])
-def test_cli_import_export_through_a_checkpoint(tmp_path, name):
-    hf = _randomize(MODELS[name]())
+def test_cli_import_export_through_a_checkpoint(tmp_path, name, capsys):
+    hf = _randomize(MODELS[name](bos_token_id=5, eos_token_id=7))
     hf.save_pretrained(tmp_path / "hf_in")
     main(["import", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")])
+    hint = capsys.readouterr().out.split("train from it with: python train.py ", 1)[1].split()
+    assert hint[0] == f"checkpoint.dir={tmp_path / 'ckpt'}" and f"model.vocab_size={VOCAB}" in hint
+    from megatron_lite.cli import compose_config  # the printed overrides give the imported shape
+    from omegaconf import OmegaConf
+    assert OmegaConf.to_object(compose_config(hint[1:])).model == hf_config_to_model_config(hf.config)
     cfg, sd = load_model_state(str(tmp_path / "ckpt"))  # via `latest`
     assert (tmp_path / "ckpt" / "step_0000000").is_dir() and cfg == hf_config_to_model_config(hf.config)
     main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")])
@@ -105,6 +110,40 @@ def test_cli_import_export_through_a_checkpoint(tmp_path, name):
     assert type(again) is type(hf)
     for key, value in hf.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
+    assert (again.config.bos_token_id, again.config.eos_token_id) == (5, 7)  # the import's, not the flavour's defaults
+    assert (again.generation_config.bos_token_id, again.generation_config.eos_token_id) == (5, 7)
+
+
+def test_import_refuses_a_directory_that_holds_checkpoints(tmp_path):
+    """An import commits step 0 and moves `latest`: into a run's checkpoint dir, the next run there would start
+    over its checkpoints. Refused in one line, the directory untouched."""
+    _randomize(MODELS["gpt2"]()).save_pretrained(tmp_path / "hf_in")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_0000020").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_0000020")
+    with pytest.raises(SystemExit, match=r"^convert_hf: checkpoint_dir=\S+ already holds checkpoints \(latest, "
+                                         r"step_0000020\); import into a new or empty directory"):
+        main(["import", str(tmp_path / "hf_in"), str(ckpt)])
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_0000020"]
+    assert (ckpt / "latest").read_text() == "step_0000020"
+
+
+def test_a_trained_checkpoints_export_names_its_datas_end_of_document(tmp_path):
+    """A trained checkpoint records no tokenizer ids; its data's meta.json has the end-of-document id, which the
+    export gives as bos and eos. Unknown data: None, never transformers' defaults for another tokenizer."""
+    from tools.convert_hf import special_tokens
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"eos_id": 0}')
+    trained = {"kind": "deepspeed", "config": {"data": {"path": str(tmp_path / "data")}}}
+    assert special_tokens(trained) == {"bos_token_id": 0, "eos_token_id": 0}
+    blend = {"kind": "deepspeed", "config": {"data": {"path": [str(tmp_path / "data"), "elsewhere"]}}}
+    assert special_tokens(blend) == {"bos_token_id": 0, "eos_token_id": 0}
+    assert special_tokens({"kind": "deepspeed", "config": {"data": {"path": str(tmp_path / "gone")}}}) == {}
+    cfg, sd = hf_to_ours(llama(False).state_dict(), llama(False).config)
+    hf_cfg, _ = ours_to_hf(cfg, sd)
+    assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (None, None, None)
+    assert ours_to_hf(cfg, sd, special=special_tokens(trained))[0].eos_token_id == 0
 
 
 @pytest.mark.parametrize("kw, match", [
