@@ -17,11 +17,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config
+from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, ModelConfig
 from megatron_lite.errors import ConfigError, RunError
 from megatron_lite.validation import check, validate
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
+_ABSENT = object()
 ConfigStore.instance().store(name="schema", node=Config)
 
 
@@ -36,6 +37,8 @@ def _explain(override: str, err: Exception) -> str:
     while err.__cause__ is not None:  # Hydra wraps OmegaConf's precise reason
         err = err.__cause__
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if key.startswith("+") and not key.startswith("++"):  # `+` appends; every key of the schema is there already
+        return f"{key}={value} adds a key the config already has; write it without the +: {key.lstrip('+')}={value}"
     if key.lstrip("+~") == "model" and "model" in first.lower():
         return f"model={value} is not a known preset; use one of {', '.join(MODEL_PRESETS)}"
     if "not in" in first or "Could not override" in first or "Key '" in first:
@@ -50,6 +53,13 @@ def compose_config(overrides: list[str]) -> DictConfig:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"{bad[0]} is not an override; write key=value, e.g. train.steps=100")
+    schema = OmegaConf.structured(Config(model=ModelConfig()))
+    for o in overrides:  # Hydra's `+key=value` adds a key the schema lacks: a typo would be kept and never read
+        key, _, value = o.partition("=")
+        if key.startswith("+") and OmegaConf.select(schema, key.lstrip("+"), default=_ABSENT) is _ABSENT:
+            raise ConfigError(f"{key.lstrip('+')}={value} is not a config key (given as {key}={value}; a leading + adds "
+                              f"keys, and this schema has none to add); see README 'Configuration' for the keys of "
+                              f"`{key.lstrip('+').split('.')[0]}`")
     try:
         return _compose(overrides)
     except Exception as err:  # find the override that breaks composition and name it

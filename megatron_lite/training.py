@@ -35,7 +35,7 @@ from megatron_lite.errors import RunError
 from megatron_lite.faults import stalls
 from megatron_lite.faults import stop
 from megatron_lite.layout import Layout
-from megatron_lite.lr_schedule import lr_at
+from megatron_lite.lr_schedule import lr_at, schedule_change
 from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
@@ -226,6 +226,10 @@ class Trainer:
             if changes:
                 say("warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
                     f"{self.start_step + 1} see other samples than the run that wrote the checkpoint would have")
+            lr_change = schedule_change(meta.get("config", {}), cfg, self.start_step) if meta["kind"] == "deepspeed" \
+                else None
+            if lr_change:
+                say(f"warning: {lr_change}")
         if self.start_step >= cfg.train.steps:
             say(f"nothing to do: {cfg.checkpoint.dir} already holds step {self.start_step} of train.steps="
                 f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")

@@ -86,6 +86,11 @@ def _check_data(cfg: Config) -> None:
               "blending block can hold", f"raise its weight to at least {sum(weights) / BLEND_BLOCK:.3g} or drop it")
 
 
+def _positive(key: str, value: float, example: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        _fail(key, value, "must be a positive number", f"use e.g. {example}")
+
+
 def _choice(key: str, value, allowed) -> None:
     if value not in allowed:
         _fail(key, value, "is not a valid choice", f"use one of {', '.join(map(str, allowed))}")
@@ -101,7 +106,7 @@ def validate(cfg: Config, world_size: int) -> None:
     m, p, z, t, o = cfg.model, cfg.parallel, cfg.zero, cfg.train, cfg.optim
 
     # --- model shape ---
-    for key in ("n_layers", "n_heads", "d_model", "vocab_size", "seq_len"):
+    for key in ("n_layers", "n_heads", "d_model", "vocab_size", "vocab_multiple", "seq_len"):
         if getattr(m, key) <= 0:
             _fail(f"model.{key}", getattr(m, key), "must be positive", "pick a positive integer")
     if m.d_model % m.n_heads:
@@ -120,6 +125,8 @@ def validate(cfg: Config, world_size: int) -> None:
               "change model.d_model or model.n_heads")
     if not 0.0 <= m.dropout < 1.0:
         _fail("model.dropout", m.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
+    for key, example in (("norm_eps", "1e-5"), ("init_std", "0.02"), ("rope_theta", "10000.0")):
+        _positive(f"model.{key}", getattr(m, key), example)  # a negative norm_eps trains on NaN from step 1
 
     # --- parallel layout ---
     for key in ("tp", "pp", "vpp", "cp"):
@@ -193,6 +200,7 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail("optim.weight_decay", o.weight_decay, "must be >= 0", "use e.g. 0.1")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)", "use [0.9,0.95]")
+    _positive("optim.eps", o.eps, "1e-8")
 
     # --- data, checkpoints, logging ---
     _check_data(cfg)

@@ -82,6 +82,14 @@ BAD = [
     (["train.steps"], 1, "not an override"),
     (["train.recompute=some"], 1, "train.recompute=some is not a valid choice"),
     (["train.recompute=full", "train.recompute_every=0"], 1, "train.recompute_every=0 must be >= 1"),
+    (["+train.stpes=3"], 1, "train.stpes=3 is not a config key (given as +train.stpes=3"),
+    (["++train.foo=1"], 1, "train.foo=1 is not a config key"),
+    (["+model.n_layers=3"], 1, "write it without the +: model.n_layers=3"),
+    (["model.vocab_multiple=0"], 1, "model.vocab_multiple=0 must be positive"),  # before: ZeroDivisionError
+    (["optim.eps=-1"], 1, "optim.eps=-1.0 must be a positive number"),  # before: torch's ValueError traceback
+    (["model.init_std=-1"], 1, "model.init_std=-1.0 must be a positive number"),
+    (["model.norm_eps=-1"], 1, "model.norm_eps=-1.0 must be a positive number"),  # before: trained on NaN
+    (["model.rope_theta=0"], 1, "model.rope_theta=0.0 must be a positive number"),
 ]
 
 
