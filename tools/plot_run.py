@@ -16,8 +16,18 @@ def plot(run_dir: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise SystemExit(f"plot_run: {path} does not exist; give a run.dir that a train.py run has logged to")
+    with open(path) as f:
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:  # only the last line may be cut off (a run still writing it)
+                raise SystemExit(f"plot_run: {path} line {i + 1} is not JSON; was the file edited?") from None
     if not rows:
         raise SystemExit(f"plot_run: {run_dir}/metrics.jsonl has no rows yet")
     steps = [r["step"] for r in rows]

@@ -87,8 +87,19 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
     try:
         parts = []
         for builder, files in groups.items():
+            empty = [f for f in files if os.path.getsize(f) == 0]
+            if empty:
+                print(f"prepare_data: skipping {len(empty)} empty file(s): {', '.join(empty[:3])}", file=sys.stderr)
+                files = [f for f in files if f not in empty]
+                if not files:
+                    continue
             kwargs = {"sample_by": "document"} if builder == "text" else {}
-            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+            try:
+                ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+            except Exception as err:  # datasets' own errors name neither the file nor the cause on one line
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                raise SystemExit(f"prepare_data: {', '.join(files[:3])} could not be read as {builder} "
+                                 f"({type(err).__name__}{': ' + first if first else ''}); check the file's format")
             if text_key not in ds.column_names:
                 raise SystemExit(f"prepare_data: --text-key {text_key} is not a field of {files[0]} "
                                  f"(fields: {', '.join(ds.column_names)})")
@@ -96,7 +107,15 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
                          else ds.select_columns(["text"]))
     finally:
         datasets.config.HF_HUB_OFFLINE = was_offline
-    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if not parts:
+        raise SystemExit("prepare_data: every input file is empty; give files that hold documents")
+    docs = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    missing = docs.data.column("text").null_count  # a record with the field null or absent
+    if missing:
+        print(f"prepare_data: skipping {missing} record(s) without a {text_key!r} field (null or missing)",
+              file=sys.stderr)
+        docs = docs.filter(lambda batch: [t is not None for t in batch["text"]], batched=True)
+    return docs
 
 
 def write_split(ds, out_dir: str, name: str, dtype) -> tuple[int, int]:
@@ -147,7 +166,14 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     t0 = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(args.tokenizer))
+    if not os.path.isdir(_resolve(args.tokenizer)):
+        raise SystemExit(f"prepare_data: --tokenizer {args.tokenizer} is not a directory; give a local HF tokenizer "
+                         "directory (e.g. assets/tokenizers/gpt2, or one made by tools/train_tokenizer.py)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(_resolve(args.tokenizer))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"prepare_data: --tokenizer {args.tokenizer} could not be loaded "
+                         f"({str(err).strip().splitlines()[0]}); give a local HF tokenizer directory") from None
     eos = tokenizer.eos_token_id
     if eos is None:
         raise SystemExit(f"prepare_data: tokenizer {args.tokenizer} has no eos token; documents need a separator")

@@ -280,3 +280,27 @@ def test_open_streams_blends_prepared_directories(tmp_path, tok8k):
     one = open_streams(dirs[0], None, seq, seed=3, validation=False).train
     assert [one(i).tolist() for i in range(9)] == [windows[0][global_sample_index(3, len(windows[0]), i)].tolist()
                                                    for i in range(9)]
+
+
+def test_prepare_data_skips_empty_files_and_textless_records_and_names_bad_input(tmp_path, tok8k):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "empty.jsonl").write_text("")
+    (src / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                            [{"text": DOCS[0]}, {"text": None}, {"title": "no text"}, {"text": DOCS[1]}]))
+    out = tmp_path / "out"
+    meta = prepare_data.main(["--input", str(src), "--tokenizer", TOK8K, "--out", str(out), "--val-fraction", "0.5"])
+    assert meta["n_docs_train"] + meta["n_docs_val"] == 2  # the two records with text
+    assert sorted(split_texts(out, "train", tok8k) + split_texts(out, "val", tok8k)) == sorted(DOCS[:2])
+    for args, message in (
+            (["--input", str(src / "empty.jsonl")], r"every input file is empty"),
+            (["--input", str(src), "--tokenizer", str(tmp_path / "nope")], r"--tokenizer \S+/nope is not a directory"),
+            (["--input", str(src), "--tokenizer", str(src)], r"--tokenizer \S+/src could not be loaded"),
+    ):
+        with pytest.raises(SystemExit, match=f"^prepare_data: {message}"):
+            prepare_data.main([*args, *(["--tokenizer", TOK8K] if "--tokenizer" not in args else []),
+                               "--out", str(tmp_path / "out2")])
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match=r"^prepare_data: \S+/bad.jsonl could not be read as json \(.*\); check"):
+        prepare_data.main(["--input", str(tmp_path / "bad.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o3")])
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "o3").exists()
