@@ -92,7 +92,12 @@ def _check(cfg: Config, json_path: str | None) -> int:
     from megatron_lite.plan.search import fixes
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cluster = cluster_from_config(cfg.cluster, world)
+    c = cfg.cluster
+    if c.nodes is not None and world > c.nodes * c.gpus_per_node:
+        return _one_line(f"config error: cluster.nodes={c.nodes} holds {c.nodes * c.gpus_per_node} GPUs "
+                         f"(cluster.gpus_per_node={c.gpus_per_node}), fewer than the {world} ranks of WORLD_SIZE; use "
+                         f"cluster.nodes={-(-world // c.gpus_per_node)}, or leave it null to derive it", 2)
+    cluster = cluster_from_config(c, world)
     precision = planning_precision(cfg)
     prediction = predict(cfg.model, Layout.from_config(cfg, world), cluster, precision)
     if json_path:

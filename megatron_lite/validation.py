@@ -143,7 +143,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sp and m.seq_len % p.tp:
         _fail("parallel.sp", p.sp, f"needs parallel.tp={p.tp} to divide model.seq_len={m.seq_len}",
               "change model.seq_len or parallel.tp")
-    _validate_context_parallel(cfg)
+    _validate_context_parallel(cfg, world_size)
     _validate_cluster(cfg.cluster)
     dp = world_size // (p.tp * p.cp * p.pp)
     _validate_pipeline(cfg, dp)
@@ -218,8 +218,12 @@ def validate(cfg: Config, world_size: int) -> None:
               "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting")
 
 
-def _validate_context_parallel(cfg: Config) -> None:
+def _validate_context_parallel(cfg: Config, world_size: int) -> None:
     m, p = cfg.model, cfg.parallel
+
+    def fits_world(c: int) -> bool:  # a suggested cp must also leave tp*cp*pp dividing the world size
+        return world_size % (p.tp * c * p.pp) == 0
+
     _choice("parallel.cp_mode", p.cp_mode, ("ring", "ulysses"))
     if p.cp == 1:
         return
@@ -227,14 +231,15 @@ def _validate_context_parallel(cfg: Config) -> None:
     chunks = 2 * p.cp * (p.tp if p.sp else 1)
     if m.seq_len % chunks:
         what = f"2*cp*tp={chunks} (with parallel.sp)" if p.sp and p.tp > 1 else f"2*cp={chunks}"
-        fit = [c for c in range(1, m.seq_len + 1) if m.seq_len % (2 * c * (p.tp if p.sp else 1)) == 0]
+        fit = [c for c in range(1, m.seq_len + 1) if m.seq_len % (2 * c * (p.tp if p.sp else 1)) == 0 and fits_world(c)]
         _fail("parallel.cp", p.cp, f"needs {what} to divide model.seq_len={m.seq_len} (each rank holds two of "
               "2*cp equal chunks)", f"use parallel.cp in {fit or [1]} or change model.seq_len")
     if p.cp_mode == "ulysses":
         for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads)):
             local = heads // p.tp
             if local % p.cp:
-                fit = [c for c in range(1, local + 1) if (m.n_heads // p.tp) % c == 0 and (m.kv_heads // p.tp) % c == 0]
+                fit = [c for c in range(1, local + 1)
+                       if (m.n_heads // p.tp) % c == 0 and (m.kv_heads // p.tp) % c == 0 and fits_world(c)]
                 _fail("parallel.cp", p.cp, f"with parallel.cp_mode=ulysses must divide the {key.split('.')[1]} per "
                       f"TP rank ({key}={heads} / parallel.tp={p.tp} = {local})",
                       f"use parallel.cp in {fit}, or parallel.cp_mode=ring (any head count)")

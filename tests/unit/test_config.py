@@ -82,6 +82,8 @@ BAD = [
     (["train.steps"], 1, "not an override"),
     (["train.recompute=some"], 1, "train.recompute=some is not a valid choice"),
     (["train.recompute=full", "train.recompute_every=0"], 1, "train.recompute_every=0 must be >= 1"),
+    (["parallel.cp=3"], 6, "use parallel.cp in [1, 2] or"),  # before: [1, 2, 4, ...], and cp=4 does not divide 6
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "model.seq_len=132"], 4, "use parallel.cp in [1] or"),
     (["+train.stpes=3"], 1, "train.stpes=3 is not a config key (given as +train.stpes=3"),
     (["++train.foo=1"], 1, "train.foo=1 is not a config key"),
     (["+model.n_layers=3"], 1, "write it without the +: model.n_layers=3"),
@@ -149,6 +151,10 @@ def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_pat
     assert good.stdout.startswith("layout: dp 1, tp 2") and len(good.stdout.strip().splitlines()) == 1, good.stdout
     assert bad.returncode == 2 and bad.stderr.startswith("config error: parallel.tp=4 makes tp*cp*pp=4"), bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "run")
+    small = check("cluster.nodes=1", "cluster.gpus_per_node=1")  # the cluster holds fewer GPUs than the world
+    assert small.returncode == 2 and small.stderr.strip() == (
+        "config error: cluster.nodes=1 holds 1 GPUs (cluster.gpus_per_node=1), fewer than the 2 ranks of WORLD_SIZE; "
+        "use cluster.nodes=2, or leave it null to derive it"), small.stderr
 
 
 def test_nvme_offload_without_async_io_is_refused_in_one_line(data_dir, monkeypatch):
