@@ -164,8 +164,9 @@ class DataConfig:
     weights: Optional[List[float]] = None
     """With a list of paths: each one's share of the training (and validation) samples, normalized; null = in
     proportion to their training samples."""
-    tokenizer: str = "assets/tokenizers/shakespeare-8k"
-    """Local HF tokenizer directory used by prepare_data (the prepared data records which one it used)."""
+    tokenizer: Optional[str] = None
+    """Local HF tokenizer directory data.path was prepared with; null = the one its meta.json records. When set,
+    it must be that one (checked). An HF export copies it beside the weights."""
 
 
 @dataclass

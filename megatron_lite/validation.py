@@ -48,7 +48,8 @@ def _check_data(cfg: Config) -> None:
     for k, path in enumerate(paths):
         if not os.path.exists(os.path.join(repo_path(path), "meta.json")):
             _fail(key(k), path, "has no prepared data (meta.json missing)",
-                  f"run `make data` or `python tools/prepare_data.py --tokenizer {d.tokenizer} --out {path}`")
+                  f"run `make data` or `python tools/prepare_data.py --tokenizer {d.tokenizer or '<tokenizer dir>'} "
+                  f"--out {path}`")
         with open(os.path.join(repo_path(path), "meta.json")) as f:
             metas.append(json.load(f))
     for k, meta in enumerate(metas[1:], 1):
@@ -57,6 +58,15 @@ def _check_data(cfg: Config) -> None:
             _fail(key(k), paths[k], f"was prepared with tokenizer {meta.get('tokenizer')} ({meta.get('vocab_size')} "
                   f"tokens), {key(0)}={paths[0]} with {metas[0].get('tokenizer')} ({metas[0].get('vocab_size')})",
                   "prepare every dataset of a blend with the same tokenizer (tools/prepare_data.py --tokenizer)")
+    recorded = metas[0].get("tokenizer")
+    if d.tokenizer is not None:
+        if not os.path.isdir(repo_path(d.tokenizer)):
+            _fail("data.tokenizer", d.tokenizer, "is not a directory", "give the local HF tokenizer directory the data "
+                  "was prepared with, or data.tokenizer=null to take the one its meta.json records")
+        if recorded is not None and os.path.isdir(repo_path(recorded)) and \
+                os.path.realpath(repo_path(recorded)) != os.path.realpath(repo_path(d.tokenizer)):
+            _fail("data.tokenizer", d.tokenizer, f"is not the tokenizer {key(0)}={paths[0]} was prepared with "
+                  f"({recorded})", f"use data.tokenizer={recorded}, or data.tokenizer=null to take the data's")
     if len(set(map(os.path.realpath, map(repo_path, paths)))) < len(paths):
         _fail("data.path", list(paths), "names a directory twice", "list each once and give it a larger data.weights entry")
     for k, meta in enumerate(metas):

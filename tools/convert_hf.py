@@ -227,13 +227,27 @@ def special_tokens(meta: dict) -> dict:
     bos and eos (GPT-2's convention); None where unknown."""
     if meta["kind"] == "weights":
         return {k: v for k, v in meta.get("special_tokens", {}).items() if k in SPECIAL_TOKENS}
+    eos = _data_meta(meta).get("eos_id")
+    return {} if eos is None else {"bos_token_id": eos, "eos_token_id": eos}
+
+
+def tokenizer_dir(meta: dict) -> str | None:
+    """The local HF tokenizer a trained checkpoint's data was made with (data.tokenizer, else what the data's
+    meta.json records), when it is still there; None for an import or where it is gone."""
+    if meta["kind"] == "weights":
+        return None
+    path = meta.get("config", {}).get("data", {}).get("tokenizer") or _data_meta(meta).get("tokenizer")
+    return repo_path(path) if path and os.path.isdir(repo_path(path)) else None
+
+
+def _data_meta(meta: dict) -> dict:
+    """The meta.json of the (first) data directory a trained checkpoint's run read; {} where it is gone."""
     path = meta.get("config", {}).get("data", {}).get("path")
     try:
         with open(os.path.join(repo_path(data_paths(path)[0]), "meta.json")) as f:
-            eos = json.load(f)["eos_id"]
-    except (OSError, KeyError, TypeError, ValueError, IndexError):
+            return json.load(f)
+    except (OSError, TypeError, ValueError, IndexError):
         return {}
-    return {"bos_token_id": eos, "eos_token_id": eos}
 
 
 def import_hf(hf_dir: str, ckpt_dir: str) -> str:
@@ -270,10 +284,16 @@ def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     cfg, sd = load_model_state(ckpt_path)
-    hf_cfg, hf_sd = ours_to_hf(cfg, sd, flavour, special_tokens(read_meta(step_dir(ckpt_path))))
+    meta = read_meta(step_dir(ckpt_path))
+    hf_cfg, hf_sd = ours_to_hf(cfg, sd, flavour, special_tokens(meta))
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.load_state_dict(hf_sd, strict=True)
     model.save_pretrained(hf_dir)
+    tokenizer = tokenizer_dir(meta)
+    if tokenizer is not None:  # a self-contained HF directory: AutoTokenizer.from_pretrained(hf_dir) works
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(hf_dir)
 
 
 def main(argv=None) -> None:

@@ -146,6 +146,20 @@ def test_a_trained_checkpoints_export_names_its_datas_end_of_document(tmp_path):
     assert ours_to_hf(cfg, sd, special=special_tokens(trained))[0].eos_token_id == 0
 
 
+def test_a_trained_checkpoints_export_takes_its_datas_tokenizer(tmp_path):
+    from tools.convert_hf import tokenizer_dir
+
+    tok = "assets/tokenizers/shakespeare-8k"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text(f'{{"eos_id": 0, "tokenizer": "{tok}"}}')
+    trained = {"kind": "deepspeed", "config": {"data": {"path": str(tmp_path / "data"), "tokenizer": None}}}
+    assert tokenizer_dir(trained).endswith(tok)  # what the data records (data.tokenizer=null)
+    named = {"kind": "deepspeed", "config": {"data": {"path": str(tmp_path / "data"), "tokenizer": "assets/tokenizers/gpt2"}}}
+    assert tokenizer_dir(named).endswith("assets/tokenizers/gpt2")
+    (tmp_path / "data" / "meta.json").write_text('{"eos_id": 0, "tokenizer": "/moved/away"}')
+    assert tokenizer_dir(trained) is None and tokenizer_dir({"kind": "weights"}) is None
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"mlp_bias": True}, "attention_bias/mlp_bias=False/True"),
     ({"attention_bias": True}, "attention_bias/mlp_bias=True/False"),
