@@ -1,8 +1,13 @@
-"""Build the bundled tokenizers as HF `save_pretrained` directories (so AutoTokenizer loads them offline).
+"""Build the bundled tokenizers, or train one on your documents, as HF `save_pretrained` directories (so
+AutoTokenizer loads them offline).
 
-    python tools/train_tokenizer.py            # both
+    python tools/train_tokenizer.py            # both bundled ones
     python tools/train_tokenizer.py --only 8k  # the byte-level BPE trained on the corpus
     python tools/train_tokenizer.py --only gpt2
+    python tools/train_tokenizer.py --input my_docs/ --out tokenizers/mine --vocab-size 32000   # your own
+
+--input takes what tools/prepare_data.py takes (files or directories of .txt / .json / .jsonl / .parquet,
+optionally gzipped; --text-key) and reads it the same way.
 
 - shakespeare-8k: a byte-level BPE with 8192 tokens (incl. `<|endoftext|>`) trained on the bundled corpus.
 - gpt2: the real GPT-2 BPE from its vocab.json + merges.txt. transformers 5 silently builds a one-token
@@ -15,8 +20,11 @@ import argparse
 import gzip
 import json
 import os
+import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 CORPUS = os.path.join(ROOT, "assets", "corpus", "shakespeare.jsonl.gz")
 EOS = "<|endoftext|>"
 
@@ -27,7 +35,8 @@ def corpus_texts(path: str = CORPUS):
             yield json.loads(line)["text"]
 
 
-def train_bpe(out_dir: str, vocab_size: int = 8192) -> None:
+def train_bpe(out_dir: str, vocab_size: int = 8192, texts=None) -> None:
+    """A byte-level BPE of vocab_size tokens (incl. the eos) over texts (default: the bundled corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +45,7 @@ def train_bpe(out_dir: str, vocab_size: int = 8192) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus_texts(), trainer=trainer)
+    tok.train_from_iterator(corpus_texts() if texts is None else texts, trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
                             unk_token=EOS).save_pretrained(out_dir)
     # transformers 5 records its own class name, TokenizersBackend, which 4.x (allowed by pyproject) cannot
@@ -63,10 +72,35 @@ def gpt2_dir(out_dir: str) -> None:
     tok.save_pretrained(out_dir)
 
 
+def train_on_documents(inputs: list[str], out_dir: str, vocab_size: int, text_key: str = "text") -> None:
+    """Train train_bpe's tokenizer on your documents, read as tools/prepare_data.py reads them."""
+    from tools.prepare_data import collect_files, load_documents
+
+    if vocab_size < 257:
+        raise SystemExit(f"train_tokenizer: --vocab-size {vocab_size} is below the 256 bytes plus eos a byte-level "
+                         "BPE starts from; use e.g. 8192 or 32000")
+    with tempfile.TemporaryDirectory() as cache:
+        docs = load_documents(collect_files(inputs), text_key, cache)
+        if len(docs) == 0:
+            raise SystemExit(f"train_tokenizer: --input {' '.join(inputs)} holds no documents")
+        train_bpe(out_dir, vocab_size, (text for batch in docs.iter(batch_size=1000) for text in batch["text"]))
+    print(f"wrote {out_dir}: a byte-level BPE of {vocab_size} tokens over {len(docs)} documents; prepare data with "
+          f"it: python tools/prepare_data.py --input {' '.join(inputs)} --tokenizer {out_dir} --out <data dir>")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["8k", "gpt2"], default=None)
+    ap.add_argument("--input", nargs="+", help="your documents, as tools/prepare_data.py takes them (needs --out)")
+    ap.add_argument("--text-key", default="text", help="the field holding the text in .json/.jsonl/.parquet")
+    ap.add_argument("--out", help="directory to write your tokenizer to")
+    ap.add_argument("--vocab-size", type=int, default=8192)
     args = ap.parse_args(argv)
+    if args.input or args.out:
+        if not (args.input and args.out) or args.only:
+            raise SystemExit("train_tokenizer: --input and --out go together (your own tokenizer), without --only")
+        train_on_documents(args.input, args.out, args.vocab_size, args.text_key)
+        return
     tokenizers = os.path.join(ROOT, "assets", "tokenizers")
     if args.only in (None, "8k"):
         train_bpe(os.path.join(tokenizers, "shakespeare-8k"))

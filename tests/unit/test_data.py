@@ -304,3 +304,22 @@ def test_prepare_data_skips_empty_files_and_textless_records_and_names_bad_input
     with pytest.raises(SystemExit, match=r"^prepare_data: \S+/bad.jsonl could not be read as json \(.*\); check"):
         prepare_data.main(["--input", str(tmp_path / "bad.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o3")])
     assert not (tmp_path / "out2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_train_tokenizer_on_your_documents_then_prepare_with_it(tmp_path):
+    from tools import train_tokenizer
+
+    extra = write_docs(tmp_path / "src", "jsonl.gz", DOCS * 5)  # field "body"
+    out = tmp_path / "tok"
+    train_tokenizer.main(["--input", str(tmp_path / "src"), *extra, "--out", str(out), "--vocab-size", "300"])
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert len(tok) == 300 and tok.eos_token == "<|endoftext|>"
+    assert all(tok.decode(tok(d)["input_ids"]) == d for d in DOCS)
+    assert len(tok(DOCS[0])["input_ids"]) < len(DOCS[0].encode())  # it learned merges from the documents
+    meta = prepare_data.main(["--input", str(tmp_path / "src"), *extra, "--tokenizer", str(out),
+                              "--out", str(tmp_path / "data")])
+    assert meta["vocab_size"] == 300 and meta["eos_id"] == tok.eos_token_id
+    with pytest.raises(SystemExit, match="--vocab-size 100 is below the 256 bytes"):
+        train_tokenizer.main(["--input", str(tmp_path / "src"), "--out", str(tmp_path / "t2"), "--vocab-size", "100"])
+    with pytest.raises(SystemExit, match="--input and --out go together"):
+        train_tokenizer.main(["--out", str(tmp_path / "t3")])
