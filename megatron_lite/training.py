@@ -337,6 +337,8 @@ class Trainer:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": self.batches.consumed_samples,
             "wandb_id": self.logger.wandb_id, "layout": self.layout.to_meta(),
+            # TP split patterns are in the engine's files at every tp (before 2026-11-28: only at tp > 1)
+            "tp_split_patterns": True,
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}

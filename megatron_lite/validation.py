@@ -143,7 +143,7 @@ def validate(cfg: Config, world_size: int) -> None:
         if getattr(p, key) < 1:
             _fail(f"parallel.{key}", getattr(p, key), "must be >= 1", "use 1 to disable")
     if world_size % (p.tp * p.cp * p.pp):
-        key, val = ("parallel.cp", p.cp) if p.cp > 1 else ("parallel.tp", p.tp)
+        key, val = next(((f"parallel.{k}", v) for k, v in (("pp", p.pp), ("cp", p.cp)) if v > 1), ("parallel.tp", p.tp))
         _fail(key, val, f"makes tp*cp*pp={p.tp * p.cp * p.pp} (tp={p.tp}, cp={p.cp}, pp={p.pp}), which must divide the "
               f"world size {world_size}", f"pick tp*cp*pp among {_divisors(world_size)}")
     for key, val in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn)):

@@ -33,9 +33,10 @@ def segments_of(name: str, cfg: ModelConfig) -> list[int] | None:
 
 def universal_split_patterns(model_cfg: ModelConfig, tp: int) -> dict:
     """How each tensor-parallel parameter was split, in DeepSpeed's universal-checkpoint vocabulary, so that
-    its converter can merge TP shards and its loader can cut them for another tp (see parallel/layers.py)."""
-    if tp == 1:
-        return {}
+    its converter can merge TP shards and its loader can cut them for another tp (see parallel/layers.py).
+    Recorded at tp=1 too: the loader cuts a tensor for a larger tp by what the conversion wrote beside it, and a
+    tensor converted without its pattern is cut along dim 0 as one block (fused QKV, row-parallel, vocabulary
+    all wrong, silently)."""
     from dataclasses import asdict
 
     from deepspeed.checkpoint.constants import (
