@@ -262,6 +262,11 @@ class Config:
     """Seed of weights, data order and dropout."""
 
 
+def override_value(value) -> str:
+    """A value as a Hydra override writes it (null, true/false), so that a suggested `key=value` can be pasted."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def data_paths(path) -> list[str]:
     """data.path as a list: one directory, or the directories of a blend."""
     return [path] if isinstance(path, str) else list(path)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.checkpoint.store import LATEST, read_meta  # noqa: E402
 from megatron_lite.checkpoint.weights import load_model_state, save_model_state, step_dir  # noqa: E402
-from megatron_lite.config import ModelConfig, data_paths, repo_path  # noqa: E402
+from megatron_lite.config import ModelConfig, data_paths, override_value, repo_path  # noqa: E402
 from megatron_lite.model.gpt import padded_vocab_size  # noqa: E402
 from megatron_lite.model.layout import segments_of  # noqa: E402
 
@@ -271,12 +271,8 @@ def import_hf(hf_dir: str, ckpt_dir: str) -> str:
 def model_overrides(cfg: ModelConfig) -> str:
     """The model.* overrides that train a checkpoint of this shape: every field that differs from the defaults."""
     default = ModelConfig()
-    return " ".join(f"model.{f.name}={_override_value(getattr(cfg, f.name))}" for f in fields(cfg)
+    return " ".join(f"model.{f.name}={override_value(getattr(cfg, f.name))}" for f in fields(cfg)
                     if getattr(cfg, f.name) != getattr(default, f.name))
-
-
-def _override_value(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.store import META, read_meta
+from megatron_lite.config import override_value
 from megatron_lite.errors import ConfigError, RunError
 from megatron_lite.layout import Layout
 
@@ -141,7 +142,7 @@ def check_resume(cfg, world_size: int) -> None:
         differ.pop("seq_len", None)
     if differ:  # every differing key at once: an imported model's shape is typed in one go
         ours = ", ".join(f"model.{key}={value}" for key, (value, _) in differ.items())
-        theirs = " ".join(f"model.{key}={old}" for key, (_, old) in differ.items())
+        theirs = " ".join(f"model.{key}={override_value(old)}" for key, (_, old) in differ.items())
         raise ConfigError(f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
                           f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
