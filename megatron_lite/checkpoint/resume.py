@@ -169,12 +169,7 @@ def check_resume(cfg, world_size: int) -> None:
                               f"use zero.stage={saved_stage}, 1 or 2 (ZeRO-0 converts to and from 1 and 2)")
         # DeepSpeed's universal loader serves ZeRO 1-2 (ZeRO-0 loads through ours, which cuts as the model builds).
         deepspeed_loads = cfg.zero.stage in (1, 2) and layout.needs_conversion(saved)
-        tp, pp = cfg.parallel.tp, cfg.parallel.pp
-        if deepspeed_loads and tp > 1 and pp > 1:  # tried: it takes tp x pp ranks as its TP size and asserts
-            raise ConfigError(f"parallel.tp={tp} with parallel.pp={pp} cannot load {path} at zero.stage="
-                              f"{cfg.zero.stage}: DeepSpeed's universal loader cuts TP slices for tp x pp ranks at "
-                              "once; resume at zero.stage=0 (our loader converts it exactly) or with parallel.tp=1 "
-                              "or parallel.pp=1, then move to this layout from that run's checkpoint at zero.stage=0")
+        tp = cfg.parallel.tp
         if deepspeed_loads and tp > 1 and saved_tp == 1 and not meta.get("tp_split_patterns"):
             raise ConfigError(f"parallel.tp={tp} cannot load {path} at zero.stage={cfg.zero.stage}: it was written at "
                               "parallel.tp=1 before checkpoints recorded how each weight splits over TP ranks, and "

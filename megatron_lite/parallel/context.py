@@ -228,7 +228,6 @@ class DeepSpeedMPU:
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.ctx.pp_size
 
-    # DeepSpeed's checkpoint code names files by this "slice" rank.
-    get_slice_parallel_rank = get_model_parallel_rank
-    get_slice_parallel_world_size = get_model_parallel_world_size
-    get_slice_parallel_group = get_model_parallel_group
+    # No get_slice_parallel_*: DeepSpeed's universal loader (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir)
+    # prefers the slice size to the TP size when cutting each weight for this rank, and a slice of tp x pp (what
+    # the name means in DeepSpeed's own pipeline) cut tp x pp ways with a TP rank, which asserts.

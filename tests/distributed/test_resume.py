@@ -182,7 +182,8 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
 def test_zero0_resharding_on_resume(tmp_path):
     """ZeRO-0, the default stage, through the universal form (checkpoint/sharded.py): saved at tp=2 x pp=2 and
     resumed at tp=1 x dp=2, at ZeRO-0 and at ZeRO-1 (DeepSpeed's loader); saved at tp=1 x dp=2 by ZeRO-0 and by
-    ZeRO-1 and resumed at tp=2 x pp=2 under ZeRO-0 (our cut) and at tp=2 x dp=2 under ZeRO 1 and 2 (DeepSpeed's).
+    ZeRO-1 and resumed at tp=2 x pp=2 under ZeRO-0 (our cut) and ZeRO-1, and at tp=2 x dp=2 under ZeRO 1 and 2
+    (DeepSpeed's; into tp x pp it asserted while our model-parallel unit reported a "slice" size of tp x pp).
     Loss and grad norm continue the uninterrupted run within 1e-4. With the moments zeroed on load the losses
     part by 1.8."""
     split = ["parallel.tp=2", "parallel.pp=2"]
@@ -201,16 +202,17 @@ def test_zero0_resharding_on_resume(tmp_path):
     # Into tp 2 x dp 2 at ZeRO 1 and 2, where DeepSpeed's loader cuts what a tp=1 checkpoint recorded: before
     # 2026-11-28 tp=1 recorded no split patterns and it cut fused QKV and row-parallel weights along dim 0 (loss
     # 9.02 at the step after the resume, above the initial 9.01; found by trying it from outside).
-    resplit, resplit_z1, z1_tp2, z0_tp2_z2 = run_configs(4, [
+    resplit, resplit_z1, z1_tp2, z0_tp2_z2, z1_split = run_configs(4, [
         resume("resplit", "z0_whole", 0, *split), resume("resplit_z1", "z1_whole", 0, *split),
-        resume("z1_tp2", "z1_whole", 1, "parallel.tp=2"), resume("z0_tp2_z2", "z0_whole", 2, "parallel.tp=2")],
-        tmp_path)
+        resume("z1_tp2", "z1_whole", 1, "parallel.tp=2"), resume("z0_tp2_z2", "z0_whole", 2, "parallel.tp=2"),
+        resume("z1_split", "z1_whole", 1, *split)], tmp_path)
     for resumed, straight, what in ((merged, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2"),
                                     (merged_z1, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2 at zero.stage=1"),
                                     (resplit, z0_whole, "tp 1 x dp 2 -> tp 2 x pp 2"),
                                     (resplit_z1, z1_whole, "zero.stage=1 at tp 1 x dp 2 -> tp 2 x pp 2"),
                                     (z1_tp2, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x dp 2"),
-                                    (z0_tp2_z2, z0_whole, "tp 1 x dp 2 -> zero.stage=2 at tp 2 x dp 2")):
+                                    (z0_tp2_z2, z0_whole, "tp 1 x dp 2 -> zero.stage=2 at tp 2 x dp 2"),
+                                    (z1_split, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x pp 2")):
         assert len(resumed["losses"]) == 4, what
         assert_continues(resumed, straight, 1e-4, f"zero.stage=0: {what} resume")
 

@@ -201,7 +201,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     assert load(args + ["zero.stage=2", "parallel.tp=2"], world_size=2).zero.stage == 2
     assert load(args + ["zero.stage=0", "parallel.pp=2", "parallel.schedule=gpipe"], world_size=2).parallel.pp == 2
     # DeepSpeed's universal loader (ZeRO 1-2) cuts a tp=1 checkpoint for tp > 1 only by the split patterns that
-    # checkpoints record since 2026-11-28, and cannot load a tp x pp layout at all (it asserts): both refused.
+    # checkpoints record since 2026-11-28: an older one is refused.
     write(1)
     with pytest.raises(ConfigError, match=r"^parallel.tp=2 cannot load \S+ at zero.stage=1: it was written at "
                                           r"parallel.tp=1 before checkpoints recorded how each weight splits"):
@@ -209,9 +209,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     assert load(args + ["zero.stage=0", "parallel.tp=2"], world_size=2).parallel.tp == 2  # ours cuts it
     write(1, tp_split_patterns=True)
     assert load(args + ["zero.stage=2", "parallel.tp=2"], world_size=2).parallel.tp == 2
-    with pytest.raises(ConfigError, match=r"^parallel.tp=2 with parallel.pp=2 cannot load \S+ at zero.stage=1: "
-                                          r"DeepSpeed's universal loader"):
-        load(args + ["zero.stage=1", "parallel.tp=2", "parallel.pp=2", "parallel.schedule=gpipe"], world_size=4)
+    assert load(args + ["zero.stage=1", "parallel.tp=2", "parallel.pp=2"], world_size=4).parallel.pp == 2
     cfg = load([f"data.path={data_dir}", "model=llama-tiny"], world_size=1)
     write(0)  # RoPE computes its tables for any length: a llama resumes (or fine-tunes an import) at another seq_len
     assert load(args + ["model=llama-tiny", "model.seq_len=64"], world_size=1).model.seq_len == 64
