@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, ModelConfig
 from megatron_lite.errors import ConfigError, RunError
-from megatron_lite.validation import check, validate
+from megatron_lite.validation import check, notes, validate
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
 _ABSENT = object()
@@ -107,6 +107,8 @@ def _check(cfg: Config, json_path: str | None) -> int:
                                                                                       cluster, precision)), 2)
     if int(os.environ.get("RANK", "0")) == 0:
         print(check_line(prediction, cluster))
+        for note in notes(cfg):
+            print(f"warning: {note}")
     return 0
 
 

@@ -40,6 +40,7 @@ from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
+from megatron_lite.validation import notes
 
 
 def seed_all(seed: int) -> None:
@@ -230,6 +231,8 @@ class Trainer:
                 else None
             if lr_change:
                 say(f"warning: {lr_change}")
+        for note in notes(cfg):
+            say(f"warning: {note}")
         if self.start_step >= cfg.train.steps:
             say(f"nothing to do: {cfg.checkpoint.dir} already holds step {self.start_step} of train.steps="
                 f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")

@@ -5,6 +5,9 @@ in order and raises `ConfigError` with one line that names the key as typed, the
   check_offload_support(cfg)   this machine: NVMe offload needs DeepSpeed's async-io op
   check_resume(cfg, world)     the checkpoint a resume would load (checkpoint/resume.py, which knows the files)
 
+`notes(cfg)` lists settings that are valid but do nothing or less than they seem to; the run prints them as
+warnings (so does --check).
+
 Deeper layers keep their invariants as asserts; where a rule belongs to a module's own arithmetic (a pipeline's
 layers per stage, a schedule's chunk count) that module raises the ConfigError and validate calls it.
 """
@@ -29,6 +32,19 @@ def check(cfg: Config, world_size: int) -> None:
     validate(cfg, world_size)
     check_offload_support(cfg)
     check_resume(cfg, world_size)
+
+
+def notes(cfg: Config) -> list[str]:
+    """Valid settings that do nothing or less than they seem to, one line each (key, value, what happens)."""
+    t, o, out = cfg.train, cfg.optim, []
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        out.append("parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)")
+    if o.warmup_steps > t.steps:
+        out.append(f"optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the run ends in its warmup, at a "
+                   f"learning rate of {o.lr * t.steps / o.warmup_steps:.3g} (optim.lr={o.lr})")
+    if t.eval_interval > t.steps:
+        out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
+    return out
 
 
 def _fail(key: str, value, why: str, fix: str) -> None:

@@ -157,6 +157,24 @@ def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_pat
         "use cluster.nodes=2, or leave it null to derive it"), small.stderr
 
 
+def test_settings_that_do_nothing_are_named(data_dir):
+    """validation.notes: valid settings that do less than they seem to (Megatron warns of the first too); the run
+    and --check print them as warnings. A default config has none."""
+    from megatron_lite.validation import notes
+
+    assert notes(load([f"data.path={data_dir}"], world_size=1)) == []
+    cfg = load([f"data.path={data_dir}", "parallel.sp=true", "train.steps=50", "optim.warmup_steps=100",
+                "train.eval_interval=60"], world_size=1)
+    assert notes(cfg) == [
+        "parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)",
+        "optim.warmup_steps=100 > train.steps=50: the run ends in its warmup, at a learning rate of 0.0005 "
+        "(optim.lr=0.001)",
+        "train.eval_interval=60 > train.steps=50: this run never evaluates"]
+    at_tp2 = load([f"data.path={data_dir}", "parallel.tp=2", "parallel.sp=true", "train.steps=50",
+                   "optim.warmup_steps=50", "train.eval_interval=50"], world_size=2)
+    assert notes(at_tp2) == []  # sp splits at tp 2; warmup ends at the last step; it evaluates at step 50
+
+
 def test_nvme_offload_without_async_io_is_refused_in_one_line(data_dir, monkeypatch):
     """A machine without libaio (simulated: `make test` installs it, so the real op builds in CI)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
