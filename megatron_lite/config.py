@@ -130,7 +130,11 @@ class TrainConfig:
     eval_interval: int = 100
     """Validation loss every N steps on the held-out split (0 = never)."""
     eval_iters: int = 4
-    """Micro-batches per validation pass."""
+    """Global batches of held-out samples per validation pass (the same samples at every layout)."""
+    eval_per_dataset: bool = False
+    """With a blend (data.path a list): also each dataset's own validation loss, logged as val_loss/<path> (the
+    entry as given, without a leading /), over eval_iters global batches of its held-out split; an evaluation
+    then costs 1 + (number of datasets) passes."""
     log_interval: int = 1
     """Console progress-line update every N steps (metrics.jsonl always gets every step)."""
     track_memory: bool = False

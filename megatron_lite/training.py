@@ -43,6 +43,11 @@ from megatron_lite.parallel.context import ParallelContext, init_distributed, se
 from megatron_lite.validation import notes
 
 
+def val_loss_key(path: str) -> str:
+    """The metric of one blended dataset's validation loss: val_loss/<its data.path entry, without a leading />."""
+    return "val_loss/" + os.path.normpath(path).lstrip("/")
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -212,7 +217,7 @@ class Trainer:
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx
         self.data = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed,
-                                 validation=cfg.train.eval_interval > 0)
+                                 validation=cfg.train.eval_interval > 0, each=cfg.train.eval_per_dataset)
         self.batches = MicroBatches(self.data.train, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                     ctx.dp_rank, ctx.dp_size, consumed)
 
@@ -325,11 +330,17 @@ class Trainer:
         return record, outcome
 
     def evaluate(self) -> dict:
-        """Validation loss and perplexity over train.eval_iters global batches."""
+        """Validation loss and perplexity over train.eval_iters global batches (and with train.eval_per_dataset,
+        each blended dataset's own loss, val_loss/<path>)."""
         t, ctx = self.cfg.train, self.ctx
-        val = val_batches(self.data.val, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
-        val_loss = self.engine.dp_mean(self.engine.eval_loss(val))
-        return {"val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0)))}
+
+        def loss(stream) -> float:
+            val = val_batches(stream, t.global_batch_size, t.micro_batch_size, ctx.dp_rank, ctx.dp_size, t.eval_iters)
+            return self.engine.dp_mean(self.engine.eval_loss(val))
+
+        val_loss = loss(self.data.val)
+        each = {val_loss_key(path): loss(stream) for path, stream in (self.data.val_each or {}).items()}
+        return {"val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0))), **each}
 
     # --- checkpoints ---
 

@@ -42,6 +42,8 @@ def notes(cfg: Config) -> list[str]:
     if o.warmup_steps > t.steps:
         out.append(f"optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the run ends in its warmup, at a "
                    f"learning rate of {o.lr * t.steps / o.warmup_steps:.3g} (optim.lr={o.lr})")
+    if t.eval_per_dataset and len(data_paths(cfg.data.path)) == 1:
+        out.append("train.eval_per_dataset=true does nothing with one data.path (val_loss is that dataset's)")
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
     return out

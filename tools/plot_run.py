@@ -37,6 +37,9 @@ def plot(run_dir: str) -> str:
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), "o-", label="validation")
+    for key in sorted({k for r in rows for k in r if k.startswith("val_loss/")}):  # train.eval_per_dataset
+        each = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*each), ".--", label=f"validation: {key.split('/', 1)[1]}")
     ax.set(title="loss", xlabel="step")
     ax.legend()
     axes[0, 1].plot(steps, [r["tokens_per_s"] for r in rows])

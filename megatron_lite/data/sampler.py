@@ -165,18 +165,24 @@ class Streams:
 
     train: object  # training stream: train(i) is sample i, (seq_len + 1,) int64
     val: object | None  # validation stream, when asked for
+    val_each: dict[str, object] | None  # each dataset's own validation stream by its path, when asked for
     samples: list[int]  # training samples of each dataset
     weights: list[float]  # each dataset's weight in the blend (unset: its samples, as if the datasets were one)
 
 
-def open_streams(path, weights: list[float] | None, seq_len: int, seed: int, validation: bool) -> Streams:
-    """The training (and validation) stream of data.path (one prepared directory or a list to blend)."""
+def open_streams(path, weights: list[float] | None, seq_len: int, seed: int, validation: bool,
+                 each: bool = False) -> Streams:
+    """The training (and validation) stream of data.path (one prepared directory or a list to blend); with
+    `each`, also every dataset's own validation stream (train.eval_per_dataset)."""
     from megatron_lite.config import data_paths, repo_path
     from megatron_lite.data.dataset import TokenData, WindowDataset
 
-    data = [TokenData(repo_path(p)) for p in data_paths(path)]
+    paths = data_paths(path)
+    data = [TokenData(repo_path(p)) for p in paths]
     train = [WindowDataset(d.train, seq_len) for d in data]
     samples = [len(t) for t in train]
     weights = list(weights or samples)
-    val = validation_stream([WindowDataset(d.val, seq_len) for d in data], weights) if validation else None
-    return Streams(training_stream(train, weights, seed), val, samples, weights)
+    held_out = [WindowDataset(d.val, seq_len) for d in data] if validation else []
+    val = validation_stream(held_out, weights) if validation else None
+    val_each = {p: Cycled(d) for p, d in zip(paths, held_out)} if validation and each and len(paths) > 1 else None
+    return Streams(training_stream(train, weights, seed), val, val_each, samples, weights)

@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
-from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env
+from megatron_lite.training import val_loss_key
+from tests.distributed.common import TEST_VOCAB, overrides, test_corpus, write_prepared
+from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs
 from tests.utils.wandb_reader import read_wandb_history
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mfu", "hfu"}
@@ -47,3 +51,40 @@ def test_train_py_logs_checkpoints_and_resumes_the_same_wandb_run(tmp_path):
     history = read_wandb_history(str(run_dir))
     assert [h["mfu"] for h in history if "mfu" in h] == [r["mfu"] for r in rows]
     assert read_meta(latest_checkpoint(ckpt))["wandb_id"] == meta["wandb_id"]
+
+
+def test_blend_evaluates_each_dataset_on_its_own(tmp_path):
+    """train.eval_per_dataset on a blend of two datasets logs val_loss/<path> for each: at a learning rate of
+    1e-9 the weights stay the initial ones (the same seed builds the same model), so each must equal the
+    val_loss of a run on that dataset alone (1e-6 relative), and the blend's figures must be the same at dp 2
+    and pp 2 (a layout only reorders sums). A larger init_std (0.3) parts the two datasets' losses by 1.9e-2,
+    so a swap shows (at 0.02 they were 3e-4 apart)."""
+    corpus = test_corpus()[0].split("=", 1)[1]
+    other = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", "train.bin"), dtype=np.uint16,
+                        count=120_000)[40_000:] % TEST_VOCAB  # later text than the folded corpus's
+    second = write_prepared(tmp_path / "second", {"train": other[:60_000], "val": other[60_000:]}, TEST_VOCAB)
+    still = ["train.steps=2", "train.eval_interval=2", "train.eval_iters=2", "optim.lr=1e-9", "optim.min_lr=0",
+             "model.init_std=0.3",
+             "checkpoint.interval=0", "checkpoint.keep=0"]
+    blend = [f"data.path=[{corpus},{second}]", "data.weights=[1,3]", "train.eval_per_dataset=true"]
+    run_configs(1, [overrides(tmp_path, "a", *still), overrides(tmp_path, "b", *still, f"data.path={second}"),
+                            overrides(tmp_path, "blend", *still, *blend)], tmp_path)
+    run_configs(2, [overrides(tmp_path, "dp2", *still, *blend),
+                               overrides(tmp_path, "pp2", *still, *blend, "parallel.pp=2")], tmp_path)
+
+    def evaluation(name: str) -> dict:
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and "val_loss" not in rows[0], name
+        return {k: v for k, v in rows[1].items() if k.startswith("val_loss")}
+
+    a, b, blended = evaluation("a"), evaluation("b"), evaluation("blend")
+    key_a, key_b = val_loss_key(corpus), val_loss_key(second)
+    assert set(blended) == {"val_loss", key_a, key_b} and set(a) == {"val_loss"}, blended
+    assert key_b == "val_loss/" + str(tmp_path / "second").lstrip("/")  # the path as given, without a leading /
+    assert abs(blended[key_a] / a["val_loss"] - 1) <= 1e-6, (blended, a)  # measured: 0.0
+    assert abs(blended[key_b] / b["val_loss"] - 1) <= 1e-6, (blended, b)  # measured: 1.8e-7
+    assert abs(a["val_loss"] - b["val_loss"]) > 1e-2, (a, b)  # measured: 1.9e-2 at init_std 0.3
+    for name in ("dp2", "pp2"):
+        other_layout = evaluation(name)
+        assert other_layout.keys() == blended.keys() and all(
+            abs(other_layout[k] / blended[k] - 1) <= 1e-6 for k in blended), (name, other_layout, blended)

@@ -164,11 +164,12 @@ def test_settings_that_do_nothing_are_named(data_dir):
 
     assert notes(load([f"data.path={data_dir}"], world_size=1)) == []
     cfg = load([f"data.path={data_dir}", "parallel.sp=true", "train.steps=50", "optim.warmup_steps=100",
-                "train.eval_interval=60"], world_size=1)
+                "train.eval_interval=60", "train.eval_per_dataset=true"], world_size=1)
     assert notes(cfg) == [
         "parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)",
         "optim.warmup_steps=100 > train.steps=50: the run ends in its warmup, at a learning rate of 0.0005 "
         "(optim.lr=0.001)",
+        "train.eval_per_dataset=true does nothing with one data.path (val_loss is that dataset's)",
         "train.eval_interval=60 > train.steps=50: this run never evaluates"]
     at_tp2 = load([f"data.path={data_dir}", "parallel.tp=2", "parallel.sp=true", "train.steps=50",
                    "optim.warmup_steps=50", "train.eval_interval=50"], world_size=2)

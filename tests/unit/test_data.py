@@ -277,6 +277,10 @@ def test_open_streams_blends_prepared_directories(tmp_path, tok8k):
         kv, jv = streams.val.locate(i)
         assert torch.equal(streams.val(i), vals[kv][jv % len(vals[kv])]) and kv == k  # val: the same layout, in order
     assert open_streams(dirs, [1, 1], seq, seed=3, validation=False).val is None
+    assert streams.val_each is None and open_streams(dirs[0], None, seq, 3, validation=True, each=True).val_each is None
+    each = open_streams(dirs, [1, 1], seq, seed=3, validation=True, each=True).val_each  # train.eval_per_dataset
+    assert list(each) == dirs and all(torch.equal(each[d](i), vals[k][i % len(vals[k])])
+                                      for k, d in enumerate(dirs) for i in range(2 * len(vals[k]) + 1))
     one = open_streams(dirs[0], None, seq, seed=3, validation=False).train
     assert [one(i).tolist() for i in range(9)] == [windows[0][global_sample_index(3, len(windows[0]), i)].tolist()
                                                    for i in range(9)]
