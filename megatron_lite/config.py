@@ -137,6 +137,11 @@ class TrainConfig:
     then costs 1 + (number of datasets) passes."""
     log_interval: int = 1
     """Console progress-line update every N steps (metrics.jsonl always gets every step)."""
+    profile_steps: Optional[List[int]] = None
+    """[first, last]: record torch.profiler over these steps (inclusive) and write a Chrome trace and an op table
+    per profiled rank to ${run.dir}/profile/ (megatron_lite/profiling.py); null = never."""
+    profile_ranks: List[int] = field(default_factory=lambda: [0])
+    """The global ranks that profile train.profile_steps."""
     track_memory: bool = False
     """On a CPU, measure every rank's peak live tensor bytes per step (mem_peak_gib) with a dispatch-mode tracker;
     it costs a Python call per operator. GPUs always report mem_peak_gib (the CUDA allocator counts it)."""

@@ -40,6 +40,7 @@ from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
+from megatron_lite.profiling import StepProfiler
 from megatron_lite.validation import notes
 
 
@@ -139,6 +140,8 @@ class Trainer:
         self.engine: Engine | None = None
         self.logger: MetricsLogger | None = None
         self.writer: AsyncWriter | None = None  # checkpoint.async_save's background writer
+        t = cfg.train
+        self.profiler = StepProfiler(t.profile_steps, t.profile_ranks, ctx.rank, cfg.run.dir, ctx.device)
         self.stepped = False  # a training step has started: from here an error is a crash, whatever signal came
 
     def fit(self) -> dict:
@@ -272,7 +275,8 @@ class Trainer:
         skipped_total, in_row = 0, 0  # updates skipped for a non-finite loss or gradient norm (this process's run)
         for step in range(self.start_step + 1, cfg.train.steps + 1):
             self.stepped = True
-            record, outcome = self.step(step)
+            with self.profiler.step(step):
+                record, outcome = self.step(step)
             skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
             record["skipped_steps"] = skipped_total
             if self.data.val is not None and step % cfg.train.eval_interval == 0:
@@ -384,7 +388,8 @@ class Trainer:
         """Close the logger (wandb marks a failed run so) and the engine, whatever setup reached, and leave the
         process's torch as the run found it. After a failure an error while closing is only reported: it must not
         hide the error that ended the run."""
-        for part, close in ((self.logger, lambda: self.logger.close(failed)), (self.engine, lambda: self.engine.close())):
+        for part, close in ((self.profiler, lambda: self.profiler.close()), (self.logger, lambda: self.logger.close(failed)),
+                            (self.engine, lambda: self.engine.close())):
             if part is None:
                 continue
             try:

@@ -44,6 +44,9 @@ def notes(cfg: Config) -> list[str]:
                    f"learning rate of {o.lr * t.steps / o.warmup_steps:.3g} (optim.lr={o.lr})")
     if t.eval_per_dataset and len(data_paths(cfg.data.path)) == 1:
         out.append("train.eval_per_dataset=true does nothing with one data.path (val_loss is that dataset's)")
+    if t.profile_steps is not None and t.profile_steps[1] > t.steps:
+        out.append(f"train.profile_steps={list(t.profile_steps)} ends after train.steps={t.steps}: the profile "
+                   "stops at the last step")
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
     return out
@@ -215,6 +218,15 @@ def validate(cfg: Config, world_size: int) -> None:
         _fail(key, val, "is out of range", "eval_interval >= 0 (0 = never), eval_iters >= 1")
     if t.log_interval <= 0:
         _fail("train.log_interval", t.log_interval, "must be positive", "use 1")
+    if t.profile_steps is not None:
+        steps = list(t.profile_steps)
+        if len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 1 <= steps[0] <= steps[1]:
+            _fail("train.profile_steps", steps, "must be [first, last] steps with 1 <= first <= last",
+                  "use e.g. [5,7] (after the first step's warm-up), or null")
+    bad_ranks = [r for r in t.profile_ranks if not (isinstance(r, int) and 0 <= r < world_size)]
+    if bad_ranks or not t.profile_ranks:
+        _fail("train.profile_ranks", list(t.profile_ranks), f"must name ranks of the {world_size} in this run",
+              f"use e.g. [0] or [0,{world_size - 1}]")
 
     # --- optimizer ---
     if not (o.lr > 0 and math.isfinite(o.lr)):

@@ -1,5 +1,6 @@
 """`python train.py` end to end: metrics.jsonl, wandb offline (read back), eval, checkpoints, auto-resume."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -88,3 +89,25 @@ def test_blend_evaluates_each_dataset_on_its_own(tmp_path):
         other_layout = evaluation(name)
         assert other_layout.keys() == blended.keys() and all(
             abs(other_layout[k] / blended[k] - 1) <= 1e-6 for k in blended), (name, other_layout, blended)
+
+
+def test_profile_steps_write_a_trace_of_those_steps_on_those_ranks(tmp_path):
+    """train.profile_steps / profile_ranks at dp 2: each named rank writes a Chrome trace holding the window's
+    steps and no other, and an op table; a run that ends inside the window writes what it recorded."""
+    common = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.keep=0"]
+    run_configs(2, [overrides(tmp_path, "both", *common, "train.steps=4", "train.profile_steps=[2,3]",
+                              "train.profile_ranks=[0,1]"),
+                    overrides(tmp_path, "cut", *common, "train.steps=2", "train.profile_steps=[2,5]",
+                              "train.profile_ranks=[1]")], tmp_path)
+
+    def steps_in(trace) -> set[str]:
+        with gzip.open(trace, "rt") as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+        assert "aten::mm" in names or "aten::addmm" in names, trace
+        return {n for n in names if n and n.startswith("step ")}
+
+    for rank in (0, 1):
+        assert steps_in(tmp_path / "both" / "profile" / f"rank{rank}_steps2-3.json.gz") == {"step 2", "step 3"}
+        assert "aten::" in (tmp_path / "both" / "profile" / f"rank{rank}_steps2-3.txt").read_text()
+    assert sorted(os.listdir(tmp_path / "cut" / "profile")) == ["rank1_steps2-2.json.gz", "rank1_steps2-2.txt"]
+    assert steps_in(tmp_path / "cut" / "profile" / "rank1_steps2-2.json.gz") == {"step 2"}

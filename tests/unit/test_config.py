@@ -37,6 +37,12 @@ def prepared(path, tokenizer: str = "assets/tokenizers/shakespeare-8k", vocab: i
 # (overrides, world size, text the one-line message must contain)
 BAD = [
     (["zero.stage=4"], 1, "zero.stage=4"),
+    (["train.profile_steps=[3,2]"], 1, "train.profile_steps=[3, 2] must be [first, last] steps with 1 <= first"),
+    (["train.profile_steps=[0,2]"], 1, "train.profile_steps=[0, 2] must be"),
+    (["train.profile_steps=[4]"], 1, "train.profile_steps=[4] must be"),
+    (["train.profile_steps=[2,3]", "train.profile_ranks=[0,2]"], 2,
+     "train.profile_ranks=[0, 2] must name ranks of the 2 in this run; use e.g. [0] or [0,1]"),
+    (["train.profile_ranks=[]"], 1, "train.profile_ranks=[] must name ranks"),
     (["zero.stage=2", "zero.offload_param=cpu"], 1, "zero.offload_param=cpu needs zero.stage=3"),
     (["zero.offload_optimizer=cpu"], 1, "zero.offload_optimizer=cpu needs zero.stage >= 1"),
     (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size=12"),
