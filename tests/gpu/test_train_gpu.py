@@ -9,6 +9,9 @@ autocast) and ZeRO-1 (DeepSpeed's bf16 optimizer), each saving asynchronously (p
   resume onto other tokens moves them by 1.7e-2 and 14%; a gradient scaled by 2 moves the norms by 100%
   (tests/distributed/test_resume.py)."""
 
+import gzip
+import json
+
 import numpy as np
 
 from megatron_lite.checkpoint.store import step_name
@@ -38,3 +41,19 @@ def test_bf16_training_waits_once_a_step_and_resumes_from_an_async_checkpoint(tm
         losses = max_abs_diff(second["losses"], first["losses"][-4:])
         norms = max_relative_diff(second["grad_norms"], first["grad_norms"][-4:])
         assert losses <= 1e-3 and norms <= 1e-2, f"{name}: the resume is {losses:.1e} (loss), {norms:.1e} (norm) off"
+
+
+def test_profile_steps_record_the_gpu_kernels(tmp_path):
+    """train.profile_steps on CUDA: the trace holds the window's steps and GPU kernels; two op tables."""
+    tokens = np.random.default_rng(0).integers(0, 8192, 200_000)
+    data = write_prepared(tmp_path / "data", {"train": tokens, "val": tokens[:20_000]}, 8192)
+    run_configs(1, [real_corpus_overrides(tmp_path, "prof", f"data.path={data}", "train.steps=3",
+                                          "train.precision=bf16", "train.profile_steps=[2,3]", "checkpoint.interval=0",
+                                          "train.eval_interval=0")], tmp_path)
+    base = tmp_path / "prof" / "profile" / "rank0_steps2-3"
+    with gzip.open(f"{base}.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert {e["name"] for e in events if e.get("name", "").startswith("step ")} == {"step 2", "step 3"}
+    assert any(e.get("cat") == "kernel" for e in events), "no GPU kernel in the trace"
+    tables = (tmp_path / "prof" / "profile" / "rank0_steps2-3.txt").read_text()
+    assert tables.count("Self CPU %") == 2, tables  # sorted by GPU time, then by CPU time
