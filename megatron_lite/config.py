@@ -245,7 +245,8 @@ class ClusterConfig:
     intra_node_GBps: Optional[float] = None
     """Bus bandwidth between GPUs of a node, GB/s per direction; None: the GPU's NVLink."""
     inter_node_GBps: Optional[float] = None
-    """A node's network bandwidth, all NICs together, GB/s; None: that of the GPU's DGX/HGX node (8 NICs)."""
+    """A node's network bandwidth, all NICs together, GB/s; None: one NIC per GPU, each as fast as one of the GPU's
+    DGX/HGX node (8 NICs: 50 GB/s for H100), times gpus_per_node."""
     achievable: float = 0.65
     """Fraction of the bf16 dense peak that GEMMs and attention sustain (an assumption; see docs/performance.md
     'Choosing a layout')."""

@@ -23,6 +23,7 @@ from megatron_lite.data.sampler import BLEND_BLOCK
 from megatron_lite.errors import ConfigError
 from megatron_lite.pipeline.partition import layers_per_stage
 from megatron_lite.pipeline.schedules import SCHEDULE_CHOICES, SPLIT_BACKWARD, resolve_schedule
+from megatron_lite.plan.hardware import gpu_named
 
 
 def check(cfg: Config, world_size: int) -> None:
@@ -299,12 +300,14 @@ def _validate_cluster(c: ClusterConfig) -> None:
             _fail(f"cluster.{key}", value, "must be >= 1", "e.g. cluster.gpus_per_node=8 cluster.nodes=4")
     for key in ("intra_node_GBps", "inter_node_GBps"):
         value = getattr(c, key)
-        if value is not None and not value > 0:
+        if value is not None and not 0 < value < math.inf:
             _fail(f"cluster.{key}", value, "must be a positive bandwidth in GB/s", "e.g. 450, or null for the GPU's default")
     if not 0 < c.achievable <= 1:
         _fail("cluster.achievable", c.achievable, "must be a fraction in (0, 1]", "e.g. 0.65")
-    if c.reserve_gib < 0:
-        _fail("cluster.reserve_gib", c.reserve_gib, "must be >= 0", "e.g. 2")
+    gpu_gib = gpu_named(c.gpu).memory_bytes / 2**30
+    if not 0 <= c.reserve_gib < gpu_gib:  # NaN too
+        _fail("cluster.reserve_gib", c.reserve_gib, f"must be in [0, {gpu_gib:.1f}) GiB, the memory of one "
+              f"{gpu_named(c.gpu).name}", "e.g. 2")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from megatron_lite.config import ClusterConfig, Config, ModelConfig
 from megatron_lite.metrics import step_flops
 from megatron_lite.pipeline.schedules import v_shaped
-from megatron_lite.plan.hardware import Cluster, gpu_named
+from megatron_lite.plan.hardware import DGX_GPUS, Cluster, gpu_named
 from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.memory import RankMemory, rank_memory
 from megatron_lite.plan.params import rank_params
@@ -57,7 +57,8 @@ def cluster_from_config(c: ClusterConfig, world_size: int | None = None) -> Clus
     nodes = c.nodes or (math.ceil(world_size / c.gpus_per_node) if world_size else 1)
     return Cluster(gpu=gpu, gpus_per_node=c.gpus_per_node, nodes=nodes,
                    intra_node_GBps=c.intra_node_GBps or gpu.nvlink_GBps,
-                   inter_node_GBps=c.inter_node_GBps or gpu.node_net_GBps, achievable=c.achievable,
+                   inter_node_GBps=c.inter_node_GBps or gpu.node_net_GBps / DGX_GPUS * c.gpus_per_node,
+                   achievable=c.achievable,
                    reserve_bytes=int(c.reserve_gib * 2**30))
 
 

@@ -55,6 +55,7 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
 DEVICE_NAMES = ((("A100", "40GB"), "a100-40gb"), (("A100",), "a100-80gb"), (("H200",), "h200"),
                 (("GH200",), "h200"), (("H100",), "h100-sxm"), (("B200",), "b200"))
 
+DGX_GPUS = 8  # the node the table's network figures are for: one NIC per GPU (a cluster's default scales them)
 INTRA_LATENCY_S = 5e-6
 INTER_LATENCY_S = 10e-6
 
@@ -104,7 +105,7 @@ class Cluster:
     def link(self, size: int, stride: int) -> Link:
         """The link of a group of `size` ranks `stride` apart in the rank order."""
         intra = self.intra_node_GBps * 1e9
-        if size * stride <= self.gpus_per_node:
+        if self.gpus_per_node % (size * stride) == 0:  # every such group inside a node (else some straddle two)
             return Link(intra, INTRA_LATENCY_S)
         per_node = max(1, self.gpus_per_node // stride) if stride < self.gpus_per_node else 1
         per_gpu = self.inter_node_GBps * 1e9 / self.gpus_per_node

@@ -50,6 +50,18 @@ class Layout:
                    global_batch_size=t.global_batch_size,
                    pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None)
 
+    def settings(self) -> dict[str, str]:
+        """Every setting of this layout as override key -> value, defaults included (what a fix must name when
+        it changes one back to its default)."""
+        layers = "null" if self.pp_layers is None else "[" + ",".join(map(str, self.pp_layers)) + "]"
+        return {"parallel.tp": str(self.tp), "parallel.sp": str(self.sp).lower(), "parallel.cp": str(self.cp),
+                "parallel.cp_mode": self.cp_mode, "parallel.pp": str(self.pp), "parallel.vpp": str(self.vpp),
+                "parallel.schedule": "auto" if self.schedule == resolve_schedule("auto", self.vpp) else self.schedule,
+                "parallel.pp_layers": layers, "zero.stage": str(self.zero_stage),
+                "zero.offload_optimizer": self.offload_optimizer, "zero.offload_param": self.offload_param,
+                "train.micro_batch_size": str(self.micro_batch_size), "train.recompute": self.recompute,
+                "train.recompute_every": str(self.recompute_every)}
+
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (cluster and model keys left as they are)."""
         out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}"]

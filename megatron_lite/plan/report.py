@@ -31,7 +31,7 @@ def _where(p: Prediction) -> str:
 def check_line(p: Prediction, cluster: Cluster) -> str:
     """`--check` on success: the layout, memory against the GPU's, step time, throughput, MFU."""
     return (f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
-            f"{p.usable_bytes / GIB:.1f} GiB a {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
+            f"{p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
             f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
             "(predicted: docs/performance.md 'Choosing a layout')")
 
@@ -40,10 +40,11 @@ def does_not_fit(p: Prediction, cluster: Cluster, fixes: list[tuple[list[str], P
     """`--check` when the layout is predicted not to fit: by how much, and the cheapest fix."""
     over = (p.memory_bytes - p.usable_bytes) / GIB
     head = (f"the layout ({layout_text(p)}) is predicted to need {p.memory_bytes / GIB:.1f} GiB per GPU "
-            f"({_where(p)}), {over:.1f} GiB more than the {p.usable_bytes / GIB:.1f} GiB a {cluster.gpu.name} leaves "
-            "to tensors")
+            f"({_where(p)}), {over:.1f} GiB more than the {p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} "
+            "leaves to tensors")
     if not fixes:
-        return head + "; no change of one or two knobs fits it: add GPUs (cluster.nodes) or see `train.py --plan`"
+        return head + ("; no change of one or two knobs fits it: run on more GPUs (WORLD_SIZE; `train.py --plan "
+                       "cluster.nodes=N` ranks the layouts of N nodes)")
     changes, fixed = fixes[0]
     return (f"{head}; fastest fix: {' '.join(changes)} ({fixed.memory_bytes / GIB:.1f} GiB, step "
             f"{fixed.step.total_s:.3g} s; `train.py --plan` lists every layout that fits)")

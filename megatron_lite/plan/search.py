@@ -1,7 +1,7 @@
 """Every valid layout of a model and batch on a cluster, priced and ranked; and the cheapest fix for one that
 does not fit.
 
-The axes: tp (dividing the heads, KV heads and MLP width, at most a node), sequence parallelism with tp, cp
+The axes: tp (dividing the heads, KV heads and MLP width, and the GPUs of a node: a TP group within one), sequence parallelism with tp, cp
 (2·cp dividing the sequence, at least 128 tokens per chunk; Ulysses where cp divides the heads per TP rank),
 pp and vpp (an even split of the layers), dp = world / (tp·cp·pp), the micro-batch (dividing the global batch
 per replica, at least pp micro-batches under 1F1B), ZeRO 0-3 (3 without a pipeline), recompute none /
@@ -42,7 +42,7 @@ def layouts(model: ModelConfig, global_batch: int, world: int, gpus_per_node: in
     """Every layout of the search space for `world` ranks (see the module docstring)."""
     h_q, h_kv, f, s, L = model.n_heads, model.kv_heads, model.ffn, model.seq_len, model.n_layers
     for tp in divisors(world):
-        if tp > gpus_per_node or h_q % tp or h_kv % tp or f % tp:
+        if gpus_per_node % tp or h_q % tp or h_kv % tp or f % tp:  # a TP group inside a node
             continue
         for sp in ((False, True) if tp > 1 and s % tp == 0 else (False,)):
             for cp in divisors(world // tp):
@@ -118,14 +118,18 @@ def fixes(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str =
     return sorted(out, key=lambda item: item[1].step.total_s)
 
 
-_KNOBS = ("tp", "pp", "vpp", "cp", "sp", "cp_mode", "zero_stage", "offload_optimizer", "recompute",
-          "micro_batch_size")
-
-
 def _distance(a: Layout, b: Layout) -> int:
-    return sum(getattr(a, k) != getattr(b, k) for k in _KNOBS)
+    return len(_changed(a, b))
 
 
 def _changed(old: Layout, new: Layout) -> list[str]:
-    mine = set(old.overrides())
-    return [o for o in new.overrides() if o not in mine]
+    """The overrides that turn `old` into `new`: every setting that differs, a return to a default included (the
+    search's layouts use the schedule auto picks, even layer splits, recompute_every 1, no parameter offload).
+    The executor runs the schedule at pp=1 too (GPipe there still holds every micro-batch), so it counts."""
+    mine, theirs = old.settings(), new.settings()
+    changed = {k: v for k, v in theirs.items() if mine[k] != v}
+    if new.cp == 1:  # settings that mean nothing in the new layout, where the old value is valid too
+        changed.pop("parallel.cp_mode", None)
+    if new.recompute != "full":
+        changed.pop("train.recompute_every", None)
+    return [f"{k}={v}" for k, v in changed.items()]

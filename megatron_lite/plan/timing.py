@@ -248,7 +248,8 @@ class StepModel:
         m = lay.accumulation
         P = params_per_rank
         reduce = link.all_reduce(P * self.system.reduce_bytes, n)
-        gather = link.gather(P * self.act, n) if lay.zero_stage >= 1 and self.system.gathers_params else 0.0
+        # ZeRO 1-2 all-gather the updated partitions after the step; ZeRO-3 gathers in forward and backward instead
+        gather = link.gather(P * self.act, n) if lay.zero_stage in (1, 2) and self.system.gathers_params else 0.0
         if lay.zero_stage in self.system.dp_overlap_stages:
             # DeepSpeed 0.19: ZeRO-2 all-reduces each bucket, ZeRO-3 reduce-scatters (half the bytes) and gathers
             # the parameters for forward and backward (tools/bench_comm.py counts both)

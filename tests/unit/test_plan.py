@@ -7,6 +7,7 @@ group -- the parameters a rank holds, every tensor a layer keeps for backward, t
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -22,10 +23,11 @@ from megatron_lite.model.gpt import GPT
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import build_schedule
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
+from megatron_lite.plan import Layout, cluster_from_config, predict
 from megatron_lite.plan import activations as A
 from megatron_lite.plan.params import rank_params
 from megatron_lite.plan.schedule_memory import moments
-from megatron_lite.plan.search import layouts
+from megatron_lite.plan.search import fixes, layouts
 from megatron_lite.plan.timing import schedule_bubble
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -152,3 +154,35 @@ def test_json_needs_a_mode_and_a_path():
     assert _train_py("--check", "--json").returncode == 2
     stray = _train_py("train.steps=1", "--json", "x.json")
     assert stray.returncode == 2 and "--json goes with --check or --plan" in stray.stderr
+
+
+def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
+    """--check's "fastest fix" names every setting it changes, a return to a default included (vpp back to 1,
+    recompute back to none, the schedule back to auto, parameter offload off): the user's layout with the fix's
+    overrides loads as exactly the layout the fix was priced for. Before 2026-11-28, 10 of 40 llama-7b layouts
+    on 8 GPUs got a fix that, applied, made another layout (or an invalid config: vpp 2 at pp 1)."""
+    base = ["model=llama-7b", "train.global_batch_size=32", "train.micro_batch_size=1"]
+    composed = compose_config(base)
+    cfg = checked(composed, 8)
+    cluster = cluster_from_config(cfg.cluster, 8)
+    odd = [["parallel.pp=4", "parallel.vpp=2", "zero.stage=2", "train.micro_batch_size=2"],
+           ["parallel.tp=2", "parallel.pp=4", "parallel.schedule=gpipe", "zero.stage=1", "train.micro_batch_size=1"],
+           ["zero.stage=3", "zero.offload_param=cpu", "zero.offload_optimizer=cpu", "train.micro_batch_size=4",
+            "train.recompute=full", "train.recompute_every=2"],
+           ["parallel.tp=2", "zero.stage=1", "train.recompute=selective", "train.micro_batch_size=4"],
+           ["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=0", "train.micro_batch_size=4"]]
+    searched = [lay.overrides() for lay in itertools.islice(layouts(cfg.model, 32, 8, 8), 7, None, 211)]
+    fixed = 0
+    for overrides in odd + searched:
+        user = Layout.from_config(checked(OmegaConf.merge(composed, OmegaConf.from_dotlist(overrides)), 8), 8)
+        prediction = predict(cfg.model, user, cluster)
+        if prediction.fits:
+            continue
+        found = fixes(cfg.model, user, cluster)
+        if not found:
+            continue
+        changes, priced = found[0]
+        applied = checked(OmegaConf.merge(composed, OmegaConf.from_dotlist(overrides + changes)), 8)  # valid
+        assert Layout.from_config(applied, 8) == priced.layout, (overrides, changes)
+        fixed += 1
+    assert fixed >= 8, fixed
