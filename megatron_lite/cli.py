@@ -116,18 +116,30 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     """`--plan`: every layout of the model and batch on the cluster, ranked; the top ones as a table."""
     from megatron_lite.plan import cluster_from_config, planning_precision
     from megatron_lite.plan.report import plan_table, write_json
-    from megatron_lite.plan.search import search
+    from megatron_lite.plan.search import PINNABLE, UNSEARCHED, Space, search, why_none
 
     cfg = OmegaConf.to_object(compose_config(overrides))
+    keys = [o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o]
+    for key in keys:
+        if key in UNSEARCHED:
+            raise ConfigError(f"{key} is not among what --plan searches ({UNSEARCHED[key]}); leave it out, and "
+                              f"`train.py --check` a layout with it")
+    # A searched knob given on the command line pins it: only layouts with that value are ranked.
+    pinned = tuple((PINNABLE[key], OmegaConf.select(OmegaConf.structured(cfg), key)) for key in PINNABLE
+                   if key in keys)
     # Check what does not depend on the layout (model, batch, cluster, data) with a layout every world admits.
     cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vpp = cfg.parallel.cp = 1
     cfg.parallel.pp_layers = None
     cfg.train.micro_batch_size = cfg.train.global_batch_size
     validate(cfg, 1)
     cluster = cluster_from_config(cfg.cluster)
-    found = search(cfg.model, cfg.train.global_batch_size, cluster, planning_precision(cfg))
+    space = Space(pinned=pinned)
+    found = search(cfg.model, cfg.train.global_batch_size, cluster, planning_precision(cfg), space=space)
     if json_path:
         write_json(json_path, found)
+    if not found:
+        return _one_line("config error: " + why_none(cfg.model, cfg.train.global_batch_size, cluster.world_size,
+                                                     cluster.gpus_per_node, space), 2)
     print(plan_table(found, 10, cluster))
     return 0 if any(p.fits for p in found) else 2
 
@@ -160,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
               "       train.py --check [key=value ...] [--json PATH]   validate it for WORLD_SIZE ranks, predict its\n"
               "                memory, step time and MFU on the cluster (cluster.*), exit 0, or 2 if it does not fit\n"
               "       train.py --plan [key=value ...] [--json PATH]   rank every layout of the model and batch on\n"
-              "                cluster.nodes x cluster.gpus_per_node GPUs")
+              "                cluster.nodes x cluster.gpus_per_node GPUs (a parallel.*, zero.* or micro-batch key\n"
+              "                given pins that setting)")
         return 0
     mode = argv[0] if argv[:1] and argv[0] in MODES else None
     try:

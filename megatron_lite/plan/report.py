@@ -86,4 +86,9 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
         lines.append(f"      {' '.join(lay.overrides())}")
     lines.append("cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
                  "(docs/performance.md 'Choosing a layout').")
+    if not fitting:
+        lines.append(f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "
+                     f"{cluster.usable_bytes / GIB:.1f}; more GPUs (cluster.nodes), a GPU with more memory "
+                     "(cluster.gpu) or a shorter model.seq_len would make room (the search does not offload ZeRO-3's parameters: "
+                     "`train.py --check` a layout with zero.offload_param=cpu).")
     return "\n".join(lines)

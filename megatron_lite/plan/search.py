@@ -36,10 +36,31 @@ class Space:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload: bool = False
+    pinned: tuple[tuple[str, object], ...] = ()  # (Layout field, value) pairs every layout must have (--plan key=v)
+
+    def admits(self, layout: Layout) -> bool:
+        return all(getattr(layout, name) == value for name, value in self.pinned)
+
+
+# Layout keys the search does not vary (what it uses instead): --plan refuses them rather than ignore them
+UNSEARCHED = {"parallel.schedule": "the schedule auto picks", "parallel.pp_layers": "even layer splits",
+              "zero.offload_param": "no parameter offload", "train.recompute_every": "recompute_every 1",
+              "zero.nvme_path": "no NVMe offload"}
+# `--plan` overrides that pin a searched knob: override key -> Layout field
+PINNABLE = {"parallel.tp": "tp", "parallel.sp": "sp", "parallel.cp": "cp", "parallel.cp_mode": "cp_mode",
+            "parallel.pp": "pp", "parallel.vpp": "vpp", "zero.stage": "zero_stage",
+            "zero.offload_optimizer": "offload_optimizer", "train.micro_batch_size": "micro_batch_size",
+            "train.recompute": "recompute"}
 
 
 def layouts(model: ModelConfig, global_batch: int, world: int, gpus_per_node: int, space: Space = Space()) -> Iterator[Layout]:
     """Every layout of the search space for `world` ranks (see the module docstring)."""
+    for tp, sp, cp, mode, pp, vpp, dp in splits(model, world, gpus_per_node):
+        yield from _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space)
+
+
+def splits(model: ModelConfig, world: int, gpus_per_node: int) -> Iterator[tuple]:
+    """(tp, sp, cp, cp_mode, pp, vpp, dp) of every way the model's shape lets `world` ranks split it."""
     h_q, h_kv, f, s, L = model.n_heads, model.kv_heads, model.ffn, model.seq_len, model.n_layers
     for tp in divisors(world):
         if gpus_per_node % tp or h_q % tp or h_kv % tp or f % tp:  # a TP group inside a node
@@ -59,7 +80,7 @@ def layouts(model: ModelConfig, global_batch: int, world: int, gpus_per_node: in
                         dp = world // (tp * cp * pp)
                         vpps = [v for v in divisors(L // pp) if v <= 8] if pp > 1 else [1]
                         for vpp in vpps:
-                            yield from _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space)
+                            yield tp, sp, cp, mode, pp, vpp, dp
 
 
 def _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space) -> Iterator[Layout]:
@@ -75,10 +96,12 @@ def _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space) -> Itera
             offloads = ("none", "cpu") if space.offload and zero >= 1 else ("none",)
             for recompute in space.recompute:
                 for offload in offloads:
-                    yield Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_mode=mode,
-                                 schedule="interleaved" if vpp > 1 else "1f1b", zero_stage=zero,
-                                 offload_optimizer=offload, offload_param="none", recompute=recompute,
-                                 recompute_every=1, micro_batch_size=micro, global_batch_size=global_batch)
+                    layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_mode=mode,
+                                    schedule="interleaved" if vpp > 1 else "1f1b", zero_stage=zero,
+                                    offload_optimizer=offload, offload_param="none", recompute=recompute,
+                                    recompute_every=1, micro_batch_size=micro, global_batch_size=global_batch)
+                    if space.admits(layout):
+                        yield layout
 
 
 def search(model: ModelConfig, global_batch: int, cluster: Cluster, precision: str = "bf16",
@@ -93,8 +116,8 @@ def search(model: ModelConfig, global_batch: int, cluster: Cluster, precision: s
     fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
     if not fitting and not space.offload:
         found += [(lay, predict_memory(model, lay, precision)) for lay in
-                  layouts(model, global_batch, world, cluster.gpus_per_node, Space(space.zero_stages, space.recompute,
-                                                                                   offload=True))
+                  layouts(model, global_batch, world, cluster.gpus_per_node,
+                          Space(space.zero_stages, space.recompute, offload=True, pinned=space.pinned))
                   if lay.offload_optimizer != "none"]
         fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
     if fitting:
@@ -102,6 +125,24 @@ def search(model: ModelConfig, global_batch: int, cluster: Cluster, precision: s
                       key=lambda p: p.step.total_s)
     smallest = sorted(found, key=lambda item: max(r.peak for r in item[1]))[:20]
     return [predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in smallest]
+
+
+def why_none(model: ModelConfig, global_batch: int, world: int, gpus_per_node: int, space: Space = Space()) -> str:
+    """Why search found no layout of `world` ranks: the pinned knobs, or the batch (tp = cp = pp = 1 always
+    splits the model, so some data-parallel sizes exist; none divides the batch or leaves a pipeline enough
+    micro-batches)."""
+    if space.pinned and any(True for _ in layouts(model, global_batch, world, gpus_per_node)):
+        pins = " ".join(f"{key}={_typed(value)}" for key, name in PINNABLE.items() for field, value in space.pinned
+                        if field == name)
+        return f"no layout of {world} GPUs has {pins}; pin fewer settings, or none to rank every layout"
+    dps = sorted({dp for *_, dp in splits(model, world, gpus_per_node)})
+    return (f"no layout of {world} GPUs takes train.global_batch_size={global_batch}: each data-parallel replica "
+            f"takes whole micro-batches (a pipeline at least pp of them), and this model's shape allows dp in "
+            f"{dps} here; use train.global_batch_size={-(-global_batch // world) * world}, or another number of GPUs")
+
+
+def _typed(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def fixes(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16",

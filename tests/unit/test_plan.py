@@ -186,3 +186,26 @@ def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
         assert Layout.from_config(applied, 8) == priced.layout, (overrides, changes)
         fixed += 1
     assert fixed >= 8, fixed
+
+
+def test_plan_pins_the_knobs_given_and_says_why_nothing_is_found(capsys):
+    """--plan ranks only layouts with the searched settings given on the command line, refuses settings it does
+    not search (they were ignored before), and explains an empty search in one line: the batch no replica
+    count divides, or pins no layout has."""
+    from megatron_lite.cli import main
+
+    assert main(["--plan", "model=llama-7b", "cluster.nodes=1", "zero.stage=3", "parallel.tp=2",
+                 "train.global_batch_size=64"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:] if line[:3].strip().isdigit()]
+    assert rows and all(r[1] == "2" and r[7] == "3" for r in rows), rows  # tp and zero columns
+    assert main(["--plan", "model=llama-7b", "parallel.schedule=gpipe"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: parallel.schedule is not among what --plan searches (the schedule auto picks); leave it "
+        "out, and `train.py --check` a layout with it")
+    assert main(["--plan", "model=llama-7b", "cluster.nodes=1", "parallel.pp=3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: no layout of 8 GPUs has parallel.pp=3; pin fewer settings, or none to rank every layout")
+    assert main(["--plan", "model=gpt-1.3b", "cluster.nodes=3", "train.global_batch_size=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: no layout of 24 GPUs takes train.global_batch_size=1: ") and \
+        err.endswith("use train.global_batch_size=24, or another number of GPUs") and "\n" not in err
