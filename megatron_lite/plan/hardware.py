@@ -1,15 +1,16 @@
 """The devices and the network the planner predicts for: a table of GPUs and a cluster built from them.
 
-Every figure in GPUS is a datasheet figure (NVIDIA's "A100 / H100 / H200 / DGX B200" datasheets), dense (no
-2:4 sparsity) bf16 tensor-core peaks, HBM capacity and bandwidth, NVLink bandwidth per direction per GPU, and
+Every figure in GPUS is a datasheet figure (NVIDIA's "A100 / H100 / H200 / DGX B200" datasheets) but the
+H200's and B200's memory, which the datasheets give in decimal GB of HBM and which is taken as the driver
+reports it (nvidia-smi; the "141 GB" H200 holds 140.4 GiB, not 131.3); dense (no 2:4 sparsity) bf16 tensor-core peaks, HBM capacity and bandwidth, NVLink bandwidth per direction per GPU, and
 the network a DGX/HGX node of that GPU ships with (one NIC per GPU):
 
   gpu         memory    bf16 dense    HBM        NVLink / direction    node network (8 NICs)
   a100-40gb   40 GiB    312 TFLOP/s   1555 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
   a100-80gb   80 GiB    312 TFLOP/s   2039 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
   h100-sxm    80 GiB    989 TFLOP/s   3350 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
-  h200        141 GB    989 TFLOP/s   4800 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
-  b200        180 GB    2250 TFLOP/s  8000 GB/s  900 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  h200        140 GiB   989 TFLOP/s   4800 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  b200        179 GiB   2250 TFLOP/s  8000 GB/s  900 GB/s              8 x 400 Gb/s NDR = 400 GB/s
 
 Collectives are costed as NCCL runs them on such a machine (Thakur et al. 2005 for the formulas; NCCL's docs
 for "bus bandwidth"): a group of n ranks moving B bytes takes
@@ -47,8 +48,8 @@ GPUS: dict[str, GPU] = {g.name: g for g in (
     GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200),
     GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200),
     GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400),
-    GPU("h200", 141 * 10**9, 989e12, 4800, 450, 400),
-    GPU("b200", 180 * 10**9, 2250e12, 8000, 900, 400),
+    GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400),  # "141 GB" sold; the driver reports 143,771 MiB
+    GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400),  # "180 GB" sold; the driver reports 183,359 MiB
 )}
 
 # torch.cuda.get_device_name fragments -> table entry, most specific first (for cluster.gpu=auto)
