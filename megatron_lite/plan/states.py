@@ -137,7 +137,10 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
     # ZeRO-3
     shards = [sum(math.ceil(p.numel / N) for p in g) for g in groups]
     whole = sum(math.ceil(p.numel / N) * N for p in params if p.numel <= PERSIST) if N > 1 else 0
-    gathered = min(sum(p.numel for p in params if p.numel > PERSIST or N == 1), MAX_LIVE) if N > 1 else 0
+    # Gathered for compute: at N = 1 the partitions are the whole parameters, unless offloaded to a host the GPU
+    # must copy them from (on a CPU, host and device are one memory: nothing is copied)
+    fetched = N > 1 or (offload_param and cuda)
+    gathered = min(sum(p.numel for p in params if p.numel > PERSIST or N == 1), MAX_LIVE) if fetched else 0
     partitions = b * sum(shards)
     scalars = 1 + 8  # nan tracker, fp64 norm
     if offload_optimizer:
