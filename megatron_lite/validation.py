@@ -53,6 +53,12 @@ def notes(cfg: Config) -> list[str]:
     return out
 
 
+def _itemsize(meta: dict) -> int:
+    import numpy as np
+
+    return np.dtype(meta.get("dtype", "uint16")).itemsize
+
+
 def _fail(key: str, value, why: str, fix: str) -> None:
     raise ConfigError(f"{key}={value} {why}; {fix}")
 
@@ -92,6 +98,13 @@ def _check_data(cfg: Config) -> None:
     if len(set(map(os.path.realpath, map(repo_path, paths)))) < len(paths):
         _fail("data.path", list(paths), "names a directory twice", "list each once and give it a larger data.weights entry")
     for k, meta in enumerate(metas):
+        for split in ("train", "val"):  # both are mapped at start-up (an empty split is one element long)
+            file = os.path.join(repo_path(paths[k]), f"{split}.bin")
+            tokens = meta.get(f"{split}_tokens", 0)
+            held = os.path.getsize(file) // _itemsize(meta) if os.path.isfile(file) else None
+            if held is None or held < max(tokens, 1):
+                _fail(key(k), paths[k], f"has {'no ' + split + '.bin' if held is None else f'{held} tokens in {split}.bin'}"
+                      f" where its meta.json records {tokens}", "prepare it again with tools/prepare_data.py")
         for split, needed, fix in (("train", True, "use more data"),
                                    ("val", cfg.train.eval_interval > 0, "prepare it with a larger --val-fraction of "
                                     "tools/prepare_data.py, or set train.eval_interval=0")):

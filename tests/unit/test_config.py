@@ -25,12 +25,18 @@ def data_dir(tmp_path):
 
 
 def prepared(path, tokenizer: str = "assets/tokenizers/shakespeare-8k", vocab: int = 8192, train: int = 100_000,
-             val: int = 10_000) -> str:
-    """A directory whose meta.json says it holds prepared data (validation reads only that)."""
+             val: int = 10_000, held: dict | None = None) -> str:
+    """A prepared data directory as validation sees it: meta.json, and token files of the sizes it records
+    (sparse: validation reads their sizes only); held: split -> tokens its file holds instead (None: no file)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump({"dtype": "uint16", "vocab_size": vocab, "eos_id": 0, "tokenizer": tokenizer, "train_tokens": train,
                    "val_tokens": val}, f)
+    for split, tokens in (("train", train), ("val", val)):
+        tokens = (held or {}).get(split, max(tokens, 1))
+        if tokens is not None:
+            with open(os.path.join(path, f"{split}.bin"), "wb") as f:
+                f.truncate(2 * tokens)
     return str(path)
 
 
@@ -255,6 +261,10 @@ BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides
     ([{}, {"train": 100}], [], r"^data.path\[1\]=\S+/d1 has 100 train tokens, too few for one sample of "
                                r"model.seq_len \+ 1 = 129; use more data"),
     ([{"val": 0}], [], r"^data.path=\S+/d0 has 0 val tokens, too few .*train.eval_interval=0"),
+    ([{"held": {"val": None}}], ["train.eval_interval=0"],  # val.bin is mapped even when nothing evaluates
+     r"^data.path=\S+/d0 has no val.bin where its meta.json records 10000; prepare it again"),
+    ([{}, {"held": {"train": 99_999}}], [],
+     r"^data.path\[1\]=\S+/d1 has 99999 tokens in train.bin where its meta.json records 100000; prepare it again"),
 ]
 
 
