@@ -207,7 +207,7 @@ def _plain(value):
 
 def _status_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step:>{len(str(total))}}/{total}" if total else f"step {step}"]
-    for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"), ("lr", "lr {:.2e}"),
+    for key, fmt in (("loss", "loss {:.4f}"), ("lr", "lr {:.2e}"),
                      ("grad_norm", "grad {:.3f}"), ("tokens_per_s", "{:,.0f} tok/s")):
         if isinstance(m.get(key), (int, float)):
             parts.append(fmt.format(m[key]))
@@ -222,6 +222,12 @@ def _status_line(step: int, total: int, m: dict) -> str:
     if m.get("restarts"):
         parts.append(f"restarts {m['restarts']}")
     return "  ".join(parts)
+
+
+def _validation_line(step: int, m: dict) -> str:
+    each = [f"{key.split('/', 1)[1]} {m[key]:.4f}" for key in m if key.startswith("val_loss/")]
+    line = f"validation at step {step}: loss {m['val_loss']:.4f}, perplexity {m['val_ppl']:.2f}"
+    return line + (f" ({', '.join(each)})" if each else "")
 
 
 def _drop_records_after(path: str, step: int) -> None:
@@ -281,8 +287,13 @@ class MetricsLogger:
 
             # wandb 0.31 has no public id generator (wandb.util.generate_id is gone); same format: 8 of [a-z0-9].
             self._id = wandb_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+            # The run's .wandb file is written every second rather than wandb's 15 s: a crash loses what was not
+            # written, and steps before the checkpoint a restart resumes are not logged again (see _fill_gap).
             self._wandb = wandb.init(dir=run_dir, id=self._id, resume="allow", mode=mode, project=wandb_project,
-                                     entity=wandb_entity, name=run_name, config=config_dict)
+                                     entity=wandb_entity, name=run_name, config=config_dict,
+                                     settings=wandb.Settings(x_transaction_log_flush_interval=1.0))
+            if start_step:
+                self._fill_gap(path, start_step)
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -290,6 +301,25 @@ class MetricsLogger:
                                       TextColumn("{task.fields[status]}"))
             self._task = self._progress.add_task("train", total=total_steps or None, status="starting")
             self._progress.start()
+
+    def _fill_gap(self, path: str, start_step: int) -> None:
+        """A resumed wandb run that the server knows up to a step before `start_step` (a crash lost the steps
+        after it that were not yet sent) gets those steps again from metrics.jsonl, which has every step up to
+        the checkpoint. Offline, wandb does not know where its run ends (starting_step 0): nothing is re-logged."""
+        first = getattr(self._wandb, "starting_step", 0) or 0
+        if not 0 < first <= start_step:
+            return
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                if first <= record.get("step", 0) <= start_step:
+                    self._wandb.log(record, step=record["step"])
+
+    def describe(self, facts: dict) -> None:
+        """What the config alone does not say (world and group sizes, accumulation, the precision and the peak
+        FLOP/s behind MFU, the device, the commit) as the wandb config's `run_facts`."""
+        if self._wandb is not None:
+            self._wandb.config.update({"run_facts": facts}, allow_val_change=True)
 
     @property
     def wandb_id(self) -> str | None:
@@ -305,6 +335,8 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._wandb is not None:
             self._wandb.log(record, step=step)
+        if any(key.startswith("val_loss") for key in record):  # every evaluation, whatever the log_interval
+            self.print(_validation_line(step, record))
         if step % self.log_interval and step != self.total_steps:
             return
         line = _status_line(step, self.total_steps, record)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import os
+import platform
 import random
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -42,6 +44,30 @@ from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.validation import notes
+
+
+def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
+    """The wandb run a resume continues: the checkpoint's, when it was written by this run.dir. A run started
+    from another run's checkpoint (run.dir=runs/branch checkpoint.resume=runs/main/...) is a wandb run of its
+    own, or it would log into the other run's history (and rename it)."""
+    if not meta or not meta.get("wandb_id"):
+        return None
+    written_by = meta.get("config", {}).get("run", {}).get("dir")
+    same = written_by is not None and os.path.realpath(written_by) == os.path.realpath(run_dir)
+    return meta["wandb_id"] if same else None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def _commit() -> str | None:
+    """The megatron_lite commit this run trains with (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def val_loss_key(path: str) -> str:
@@ -167,8 +193,9 @@ class Trainer:
         meta = checkpoint_store.read_meta(resume_path) if resume_path else None
         self.engine = self._build_engine(resume_path, meta)
         meta = self._resume(resume_path, meta)
-        self.start_step, consumed, wandb_id = (meta["step"], meta["consumed_samples"], meta.get("wandb_id")) if meta \
-            else (0, 0, None)
+        self.start_step, consumed = (meta["step"], meta["consumed_samples"]) if meta else (0, 0)
+        self.skipped_total = meta.get("skipped_steps", 0) if meta else 0  # non-finite steps so far, resumes included
+        wandb_id = _continued_wandb_id(meta, cfg.run.dir)
         self._data(consumed)
         self.logger = MetricsLogger(
             cfg.run.dir, config_dict=asdict(cfg), enabled=ctx.is_rank0, wandb_mode=cfg.logging.wandb.mode,
@@ -184,6 +211,12 @@ class Trainer:
             fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
         self.restarts = restart_count()
         self._announce(resume_path, meta, dtype, peak_source)
+        if ctx.is_rank0:  # (the only logger that writes; the commit takes a git call)
+            self.logger.describe({
+                "world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
+                "cp": ctx.cp_size, "accumulation": self.engine.accum, "precision": self.precision,
+                "peak_flops_per_device": self.peak, "peak_source": peak_source, "device": _device_name(ctx.device),
+                "commit": _commit(), "kernels": describe(resolve_backend(cfg.kernels.backend, ctx.device))})
         if cfg.checkpoint.async_save:
             self.writer = AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print,
                                       checkpoint_group(cfg.dist.timeout_s))
@@ -272,13 +305,13 @@ class Trainer:
             self.logger.print(f"stop signal during start-up: exiting before step {self.start_step + 1}, nothing saved")
             return {"losses": [], "grad_norms": [], "last_step": self.start_step, "stopped": True}
         losses, grad_norms, step, stopped = [], [], self.start_step, False
-        skipped_total, in_row = 0, 0  # updates skipped for a non-finite loss or gradient norm (this process's run)
+        in_row = 0  # updates skipped in a row for a non-finite loss or gradient norm (self.skipped_total: in all)
         for step in range(self.start_step + 1, cfg.train.steps + 1):
             self.stepped = True
             with self.profiler.step(step):
                 record, outcome = self.step(step)
-            skipped_total, in_row = skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
-            record["skipped_steps"] = skipped_total
+            self.skipped_total, in_row = self.skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
+            record["skipped_steps"] = self.skipped_total
             if self.data.val is not None and step % cfg.train.eval_interval == 0:
                 record.update(self.evaluate())
             fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
@@ -288,19 +321,24 @@ class Trainer:
                 record.update(self.save(step))
             if self.writer is not None:  # an asynchronous save's write time, on the step it is known
                 last = stopped or fatal or step == cfg.train.steps
-                record.update(self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
-                                            if last else self.writer.finished()))
+                written = self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
+                                        if last else self.writer.finished())
+                if written and "ckpt_write_s" in record:  # this step's save waited for the one before: both known
+                    record["ckpt_final_write_s"] = written["ckpt_write_s"]
+                else:
+                    record.update(written)
             self.logger.log(step, record)
             stalls.note_step(step)
             losses.append(outcome.loss)
             grad_norms.append(outcome.grad_norm)
             if outcome.skipped:
                 self.logger.print(f"step {step}: loss {outcome.loss}, grad norm {outcome.grad_norm}: not finite, update "
-                                  f"skipped on every rank ({in_row} in a row, {skipped_total} in all)")
+                                  f"skipped on every rank ({in_row} in a row, {self.skipped_total} in all)")
                 if fatal:
                     raise NonFiniteError(
-                        f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: steps {step - in_row + 1}-{step} "
-                        f"all had a non-finite loss or gradient norm; stopped without saving (the weights are those "
+                        f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: "
+                        + (f"steps {step - in_row + 1}-{step} all" if in_row > 1 else f"step {step}")
+                        + " had a non-finite loss or gradient norm; stopped without saving (the weights are those "
                         f"before step {step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or "
                         "other data")
             if stopped:
@@ -357,6 +395,7 @@ class Trainer:
             "wandb_id": self.logger.wandb_id, "layout": self.layout.to_meta(),
             # TP split patterns are in the engine's files at every tp (before 2026-11-28: only at tp > 1)
             "tp_split_patterns": True,
+            "skipped_steps": self.skipped_total,
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}

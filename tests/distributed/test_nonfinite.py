@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from megatron_lite.checkpoint.weights import load_model_state
-from megatron_lite.checkpoint.store import latest_checkpoint, step_name
+from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
@@ -54,6 +54,8 @@ def test_nan_step_is_skipped_on_every_rank(stage, tmp_path):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+    # a resume continues the count (before 2026-11-28 it started again from 0)
+    assert read_meta(os.path.join(run_dir, "checkpoints", step_name(4)))["skipped_steps"] == 1
     assert not torch.isfinite(torch.tensor(records[2]["grad_norm"]))
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in records[3:])
     before, skipped, after = weights(run_dir, 2), weights(run_dir, 3), weights(run_dir, 4)

@@ -3,6 +3,7 @@
 import json
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -245,3 +246,49 @@ def test_a_resumed_run_replaces_the_records_of_the_steps_it_runs_again(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["loss"] == 0.5
     MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=5).close()  # nothing to drop
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+class _FakeRun:
+    def __init__(self, starting_step):
+        self.starting_step, self.logged, self.config = starting_step, [], types.SimpleNamespace(updates=[])
+        self.config.update = lambda d, allow_val_change=False: self.config.updates.append(d)
+
+    def log(self, record, step):
+        self.logged.append(step)
+
+    def finish(self, exit_code=0):
+        pass
+
+
+@pytest.mark.parametrize("starting_step,relogged", [(3, [3, 4, 5]), (0, []), (6, [])])
+def test_a_resumed_wandb_run_gets_the_steps_its_server_lost_again(tmp_path, monkeypatch, starting_step, relogged):
+    """Online, wandb's resumed run starts after the last step its server has; a crash can lose steps before the
+    checkpoint the restart resumes (step 5 here), which metrics.jsonl has: those are logged again, once.
+    Offline (starting_step 0) nothing is."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+    run, seen = _FakeRun(starting_step), {}
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        return run
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Settings=lambda **kw: kw))
+    logger = MetricsLogger(str(tmp_path), {}, True, wandb_mode="offline", wandb_id="abcd1234", start_step=5)
+    assert run.logged == relogged and seen["id"] == "abcd1234" and seen["resume"] == "allow"
+    assert seen["settings"] == {"x_transaction_log_flush_interval": 1.0}  # not wandb's 15 s
+    logger.describe({"world_size": 2})
+    assert run.config.updates == [{"run_facts": {"world_size": 2}}]
+    logger.log(6, {"loss": 0.5, "val_loss": 0.7, "val_ppl": 2.0, "val_loss/data/a": 0.6})
+    assert run.logged == relogged + [6]
+    logger.close()
+
+
+def test_a_run_from_another_runs_checkpoint_is_a_wandb_run_of_its_own(tmp_path):
+    """A resume in the run.dir that wrote the checkpoint continues its wandb run; a branch (another run.dir,
+    checkpoint.resume=<the other run's step>) starts its own, or it would log into the other's history."""
+    from megatron_lite.training import _continued_wandb_id
+
+    meta = {"wandb_id": "abcd1234", "config": {"run": {"dir": str(tmp_path / "main")}}}
+    assert _continued_wandb_id(meta, str(tmp_path / "main") + "/") == "abcd1234"
+    assert _continued_wandb_id(meta, str(tmp_path / "branch")) is None
+    assert _continued_wandb_id({"kind": "weights", "step": 0}, str(tmp_path / "main")) is None
