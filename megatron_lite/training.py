@@ -8,10 +8,13 @@ nothing (engine.py); too many in a row end the run (NonFiniteError).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +39,7 @@ from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, restore_fu
 from megatron_lite.errors import RunError
 from megatron_lite.faults import stalls
 from megatron_lite.faults import stop
+from megatron_lite.faults.run_lock import RunDirLock
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
 from megatron_lite.memory import PeakMemory
@@ -44,6 +48,30 @@ from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.validation import notes
+
+
+DISK_FULL_BYTES = 64 << 20  # below this much free space a failed checkpoint write is put down to a full disk
+
+
+@contextlib.contextmanager
+def _said_if_disk_full(root: str, step: int):
+    """A checkpoint write that fails on a full file system (PyTorch's zip writer says only "unexpected pos")
+    ends the run with one line naming the directory, its free space and the checkpoint still intact, as a run
+    that cannot go on (exit 3: a restart would fill the disk again)."""
+    try:
+        yield
+    except Exception as err:
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            raise err from None
+        if free >= DISK_FULL_BYTES and getattr(err, "errno", None) != errno.ENOSPC:
+            raise
+        latest = checkpoint_store.latest_checkpoint(root)
+        raise RunError(f"checkpoint of step {step} could not be written: checkpoint.dir={root} is full ({free >> 20} "
+                       f"MiB free; {type(err).__name__}: {str(err)[:120]}); "
+                       + (f"the last committed checkpoint, {latest}, is intact" if latest else "none was committed yet")
+                       + ": free space (or lower checkpoint.keep) and resume") from err
 
 
 def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
@@ -118,8 +146,10 @@ def run(cfg: Config) -> dict:
 
 
 def _train(cfg: Config) -> dict:
-    trainer = None
+    trainer, lock = None, None
     try:
+        if os.environ.get("RANK", "0") == "0":  # global rank 0, before any group: one run per run.dir
+            lock = RunDirLock(cfg.run.dir)
         clear_stale_build_locks()  # before DeepSpeed loads its ops: a killed build's lock would hang us forever
         init_distributed(cfg.dist.timeout_s)
         ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
@@ -139,6 +169,9 @@ def _train(cfg: Config) -> dict:
         if (trainer is not None and trainer.stepped) or not stop.requested():
             raise
         return _interrupted_start_up(err)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _interrupted_start_up(err: Exception) -> dict:
@@ -247,7 +280,7 @@ class Trainer:
         """Load a DeepSpeed checkpoint into the engine and return the meta of what was loaded (a weights-only
         checkpoint was read into the model by the build); None for a fresh run."""
         if meta is not None and meta["kind"] == "deepspeed":
-            return checkpoint.load(self.engine, self.ctx, resume_path, self.layout)
+            return checkpoint.load(self.engine, self.ctx, resume_path, self.layout, scratch=self.cfg.checkpoint.dir)
         return meta
 
     def _data(self, consumed: int) -> None:
@@ -275,7 +308,7 @@ class Trainer:
         for note in notes(cfg):
             say(f"warning: {note}")
         if self.start_step >= cfg.train.steps:
-            say(f"nothing to do: {cfg.checkpoint.dir} already holds step {self.start_step} of train.steps="
+            say(f"nothing to do: the checkpoint resumed ({resume_path}) is at step {self.start_step} of train.steps="
                 f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
         pipeline = (f", vpp {p.vpp}, {self.engine.executor.schedule_name} schedule, layers per virtual stage "
                     f"{list(self.layout.layers_per_stage)}" if ctx.pp_size > 1 else "")
@@ -321,8 +354,9 @@ class Trainer:
                 record.update(self.save(step))
             if self.writer is not None:  # an asynchronous save's write time, on the step it is known
                 last = stopped or fatal or step == cfg.train.steps
-                written = self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
-                                        if last else self.writer.finished())
+                with _said_if_disk_full(cfg.checkpoint.dir, step):
+                    written = self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
+                                            if last else self.writer.finished())
                 if written and "ckpt_write_s" in record:  # this step's save waited for the one before: both known
                     record["ckpt_final_write_s"] = written["ckpt_write_s"]
                 else:
@@ -399,12 +433,13 @@ class Trainer:
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}
-        if self.writer is None:
-            path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
-        else:  # the previous save is still being written: wait for it (the wait counts as blocked), report it
-            out = self._written(self.writer.wait(reason=f"checkpoint of step {step}"))
-            path = checkpoint.save_async(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep,
-                                         self.writer)
+        with _said_if_disk_full(cfg.checkpoint.dir, step):
+            if self.writer is None:
+                path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
+            else:  # the previous save is still being written: wait for it (the wait counts as blocked), report it
+                out = self._written(self.writer.wait(reason=f"checkpoint of step {step}"))
+                path = checkpoint.save_async(self.engine, ctx, cfg.checkpoint.dir, step, meta_out,
+                                             cfg.checkpoint.keep, self.writer)
         blocked = time.perf_counter() - t0
         set_collective_timeout(cfg.dist.step_timeout_s)
         self.logger.print(f"saved {path} (the loop waited {blocked:.2f} s)" if self.writer is None else

@@ -18,6 +18,7 @@ import json
 import math
 import os
 
+from megatron_lite.checkpoint.store import meta_problem
 from megatron_lite.config import ClusterConfig, Config, data_paths, repo_path
 from megatron_lite.data.sampler import BLEND_BLOCK
 from megatron_lite.errors import ConfigError
@@ -265,11 +266,29 @@ def validate(cfg: Config, world_size: int) -> None:
     if r not in ("auto", "never") and not os.path.isfile(os.path.join(r, "meta.json")):
         _fail("checkpoint.resume", r, "is not a complete checkpoint directory (no meta.json)",
               "use auto, never, or a path to a step_<N> directory")
+    if r not in ("auto", "never") and meta_problem(r) is not None:
+        _fail("checkpoint.resume", r, f"cannot be loaded: {meta_problem(r)}",
+              "resume another checkpoint, or checkpoint.resume=auto")
+    for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("run.dir", cfg.run.dir)):
+        _check_writable(key, path)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("auto", "offline", "online", "disabled"))
     _choice("kernels.backend", cfg.kernels.backend, ("auto", "triton", "torch"))
     if cfg.kernels.backend == "triton" and not _has_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
         _fail("kernels.backend", "triton", "needs a GPU, or Triton's CPU interpreter (slow; for tests)",
               "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting")
+
+
+def _check_writable(key: str, path: str) -> None:
+    """A directory the run will write (it may not exist yet): not a file, and its nearest existing ancestor
+    writable, so that a read-only mount is said now, not at the first save after hours of training."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        _fail(key, path, "is a file, not a directory", f"use another {key}")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        _fail(key, path, f"cannot be written ({existing} is {'read-only' if os.path.isdir(existing) else 'a file'})",
+              f"use a writable {key}")
 
 
 def _validate_context_parallel(cfg: Config, world_size: int) -> None:

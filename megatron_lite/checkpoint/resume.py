@@ -22,12 +22,12 @@ def warn(text: str) -> None:
 
 
 def _agreed_problem(path: str, ctx) -> str | None:
-    """Collective: every rank checksums its share of path's manifest; the first problem any rank found."""
-    try:
-        manifest = read_meta(path).get("manifest")
-    except (OSError, ValueError) as err:
-        return f"{os.path.join(path, META)} cannot be read ({err})"
-    mine = None if manifest is None else store.verify_share(path, manifest, ctx.rank, ctx.world_size)
+    """Collective: every rank checksums its share of path's manifest (and meta.json its own); the first problem
+    any rank found."""
+    mine = store.meta_problem(path) if store.is_complete(path) else f"{os.path.join(path, META)} is missing"
+    manifest = read_meta(path).get("manifest") if mine is None else None
+    if manifest is not None:
+        mine = store.verify_share(path, manifest, ctx.rank, ctx.world_size)
     found = [None] * ctx.world_size
     dist.all_gather_object(found, mine)
     return next((p for p in found if p is not None), None)
@@ -70,7 +70,7 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
     path, notes = _pick_auto(root, lambda p: _agreed_problem(p, ctx))
     if path is not None:
         if notes and ctx.is_rank0:
-            warn(f"resuming from {path}, an older checkpoint: " + "; ".join(notes))
+            warn(f"resuming from {path}: " + "; ".join(notes))
         return path
     message = _none_sound(root, notes)
     if message is not None:

@@ -20,8 +20,10 @@ import base64
 import json
 import os
 import random
+import secrets
 import shutil
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -113,7 +115,7 @@ def _prepare(ctx, root: str, step: int) -> tuple[str, str]:
 def _commit(root: str, path: str, step: int, meta: dict, manifest: dict, rng0: dict, keep: int) -> None:
     """Rank 0, once every rank's files are durable: meta.json with the manifest, then `latest`, then pruning."""
     meta = dict(meta, step=step, kind="deepspeed", rng_rank0=rng_to_json(rng0), manifest=manifest)
-    atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+    atomic_write(os.path.join(path, META), store.meta_text(meta))
     atomic_write(os.path.join(root, LATEST), os.path.basename(path))
     store.prune(root, keep, step)
 
@@ -160,26 +162,78 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     return path
 
 
-def convert_to_universal(path: str) -> str:
-    """Convert the checkpoint `path` into path/universal once (atomically); one process, no groups. ZeRO 1-3
-    checkpoints go through DeepSpeed's converter whole, a ZeRO-0 one through its merge step (_zero0_to_universal)."""
-    target = os.path.join(path, UNIVERSAL)
-    if not os.path.isfile(os.path.join(target, "done")):
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+def universal_dir(path: str, scratch: str | None = None) -> str:
+    """Where the universal form of checkpoint `path` goes: path/universal, or, when the step directory cannot be
+    written (a read-only copy of a checkpoint), a directory of its own under `scratch` (the job's
+    checkpoint.dir: a shared file system the job writes anyway)."""
+    if scratch is None or os.access(path, os.W_OK):
+        return os.path.join(path, UNIVERSAL)
+    return os.path.join(scratch, f".{UNIVERSAL}_of_{os.path.basename(os.path.normpath(path))}_"
+                                 f"{zlib.crc32(os.path.realpath(path).encode()):08x}")
 
-        tmp = target + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+
+def _universal_problem(target: str) -> str | None:
+    """Why the universal form at `target` cannot be used as it is (None: every file matches the manifest its
+    `done` file holds). A `done` without a manifest (written before 2026-11-28) cannot be checked."""
+    try:
+        with open(os.path.join(target, "done")) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return "not converted" if not os.path.exists(target) else "an unfinished conversion"
+    except (OSError, ValueError):
+        return "its conversion records no manifest to check it by"
+    return store.verify_share(target, manifest, 0, 1)
+
+
+def convert_to_universal(path: str, target: str | None = None) -> str:
+    """Convert the checkpoint `path` into its universal form at `target` (default path/universal); one process,
+    no groups. A finished conversion is used again once its files match its manifest (else it is made again,
+    with a warning). Jobs converting the same checkpoint at once each write their own temporary directory and
+    rename it into place; the first wins and the others use it. ZeRO 1-3 checkpoints go through DeepSpeed's
+    converter whole, a ZeRO-0 one through its merge step (_zero0_to_universal)."""
+    target = target or os.path.join(path, UNIVERSAL)
+    problem = _universal_problem(target)
+    if problem is None:
+        return target
+    if os.path.exists(target):
+        warn(f"{target}: {problem}; converting {path} again")
         shutil.rmtree(target, ignore_errors=True)
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    # Outside the step directory, and reading it through a view of its own files: DeepSpeed's converter walks its
+    # input directory, and would count the files of a conversion that another job finished meanwhile.
+    parent = os.path.dirname(target)
+    if os.path.realpath(parent) == os.path.realpath(path):
+        parent = os.path.dirname(os.path.normpath(path))
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.normpath(path))}_{UNIVERSAL}.tmp.{os.getpid()}."
+                               f"{secrets.token_hex(4)}")
+    view = tmp + ".input"
+    os.makedirs(view)
+    try:
+        for name in os.listdir(path):
+            if os.path.isfile(os.path.join(path, name)):
+                os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
         meta = read_meta(path)
         if meta["layout"]["zero_stage"] == 0:
             _zero0_to_universal(path, meta, tmp)
         else:
             ds_to_universal(argparse.Namespace(
-                input_folder=path, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
+                input_folder=view, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
                 keep_temp_folder=False, strict=True, inject_missing_state=False,
             ))
-        open(os.path.join(tmp, "done"), "w").close()
-        os.replace(tmp, target)
+        manifest = {rel: store.digest(os.path.join(dirpath, name)) for dirpath, _, names in os.walk(tmp)
+                    for name in names for rel in [os.path.relpath(os.path.join(dirpath, name), tmp)]}
+        with open(os.path.join(tmp, "done"), "w") as f:
+            json.dump(manifest, f)
+        store.fsync_tree(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another job's conversion got there first
+            if _universal_problem(target) is not None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(view, ignore_errors=True)
     return target
 
 
@@ -245,16 +299,26 @@ def _zero0_states(saved: dict) -> dict[str, dict]:
     return out
 
 
-def prepare_universal(path: str, ctx) -> None:
-    """Rank 0 converts `path` to the universal format; the others wait for its `done` file on disk, not in a
-    collective: converting a large checkpoint can outlast any collective timeout (dist.timeout_s). Should
-    rank 0 die meanwhile, torchrun (or srun) ends the others."""
+def prepare_universal(path: str, ctx, scratch: str | None = None) -> str:
+    """Rank 0 converts `path` to the universal format (or checks an earlier conversion); the others wait for
+    its word on disk, not in a collective: converting a large checkpoint can outlast any collective timeout
+    (dist.timeout_s). The word is a file named by a token of this job's, so a conversion that an earlier job
+    left (and rank 0 may find damaged and make again) is not taken for it. Should rank 0 die meanwhile,
+    torchrun (or srun) ends the others. Returns where the universal form is (universal_dir)."""
+    token = [secrets.token_hex(8) if ctx.is_rank0 else None]
+    dist.broadcast_object_list(token, src=0)
+    target = universal_dir(path, scratch)
+    ready = os.path.join(target, f"ready.{token[0]}")
     if ctx.is_rank0:
-        convert_to_universal(path)
+        convert_to_universal(path, target)
+        open(ready, "w").close()
     else:
-        while not os.path.isfile(os.path.join(path, UNIVERSAL, "done")):
+        while not os.path.isfile(ready):
             time.sleep(0.5)
     dist.barrier()
+    if ctx.is_rank0:
+        os.remove(ready)
+    return target
 
 
 def universal_tensor(zero_dir: str, name: str, state: str, vocab_rows: int) -> torch.Tensor:
@@ -293,17 +357,17 @@ def _load_zero0_universal(engine, zero_dir: str) -> None:
     optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
-def load(engine, ctx, path: str, layout: Layout) -> dict:
+def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> dict:
     """Collective: load `path` into the engine of this job's `layout`, restore this rank's RNG streams; return
-    meta."""
+    meta. scratch: where a read-only checkpoint's universal form may go (the job's checkpoint.dir)."""
     meta = read_meta(path)
     saved = Layout.of_checkpoint(meta)
     if layout.needs_conversion(saved):
-        prepare_universal(path, ctx)
+        target = prepare_universal(path, ctx, scratch)
         if layout.zero_stage == 0:  # DeepSpeed's universal loader is ZeRO's; ZeRO-0 holds torch's AdamW
-            _load_zero0_universal(engine, os.path.join(path, UNIVERSAL, "zero"))
+            _load_zero0_universal(engine, os.path.join(target, "zero"))
         else:
-            engine.load(path, UNIVERSAL)
+            engine.load(os.path.dirname(target), os.path.basename(target))
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
     # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where

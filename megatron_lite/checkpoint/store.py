@@ -51,6 +51,35 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+META_CRC = "meta_crc32"
+
+
+def meta_text(meta: dict) -> str:
+    """meta.json's text: the fields and a CRC-32 of them (meta_crc32), so that a damaged field (a step, the
+    samples consumed) is found as a damaged shard is, rather than resumed from."""
+    body = {k: v for k, v in meta.items() if k != META_CRC}
+    return json.dumps(dict(body, **{META_CRC: _meta_crc(body)}), indent=1, default=str)
+
+
+def _meta_crc(body: dict) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode())
+
+
+def meta_problem(path: str) -> str | None:
+    """The problem with a step directory's meta.json (unreadable, or not matching its own CRC-32); None if sound
+    or if it predates the CRC (2026-11-28)."""
+    file = os.path.join(path, META)
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError) as err:
+        return f"{file} cannot be read ({err})"
+    if not isinstance(meta, dict):
+        return f"{file} is not a JSON object"
+    if META_CRC in meta and _meta_crc({k: v for k, v in meta.items() if k != META_CRC}) != meta[META_CRC]:
+        return f"{file} fails its CRC-32 check (corrupted)"
+    return None
+
+
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META))
 
@@ -136,10 +165,10 @@ def verify(path: str, checksums: bool = False) -> str | None:
     or if it predates manifests."""
     if not is_complete(path):
         return f"{os.path.join(path, META)} is missing (never committed)"
-    try:
-        manifest = read_meta(path).get("manifest")
-    except (OSError, ValueError) as err:
-        return f"{os.path.join(path, META)} cannot be read ({err})"
+    problem = meta_problem(path)
+    if problem is not None:
+        return problem
+    manifest = read_meta(path).get("manifest")
     return None if manifest is None else verify_share(path, manifest, 0, 1, checksums)
 
 
@@ -156,11 +185,23 @@ def _step_dirs(root: str) -> list[str]:
 
 
 def latest_name(root: str) -> str | None:
+    """The name `latest` holds; None when it is missing or cannot be read as a name (_read_latest says why)."""
+    return _read_latest(root)[0]
+
+
+def _read_latest(root: str) -> tuple[str | None, str | None]:
+    """(the name `latest` holds, why it holds none that can be used): garbage bytes, a directory, a symlink loop."""
+    file = os.path.join(root, LATEST)
     try:
-        with open(os.path.join(root, LATEST)) as f:
-            return f.read().strip() or None
+        with open(file, encoding="utf-8") as f:
+            name = f.read().strip()
     except FileNotFoundError:
-        return None
+        return None, None
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"{file} cannot be read ({type(err).__name__}: {err})"
+    if step_of(name) is None:
+        return None, f"{file} holds {name[:40]!r}, not a step directory's name"
+    return name, None
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -171,20 +212,23 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 def resume_candidates(root: str) -> tuple[list[str], list[str]]:
-    """(checkpoints to try for resume=auto, best first; notes on what was passed over). `latest`'s target,
-    then every older committed checkpoint; committed ones newer than `latest` (a crash between meta.json and
-    `latest`) are not candidates: `latest` is the commit."""
-    name, notes = latest_name(root), []
+    """(checkpoints to try for resume=auto, best first; notes on `latest` when it does not name the newest).
+    Every committed checkpoint (meta.json is written only once every rank's files are durable and checksummed),
+    newest first. `latest` follows the commit; where it names an older one (a crash between meta.json and
+    `latest`, or an edited or damaged `latest`), the newer ones are still candidates (before 2026-11-28 they
+    were not, and the run renamed them aside as unsound when it reached their steps again)."""
+    name, problem = _read_latest(root)
+    notes = [problem] if problem else []
     steps = complete_steps(root)
     if name is not None:
-        target = os.path.join(root, name)
+        target, file = os.path.join(root, name), os.path.join(root, LATEST)
         if not os.path.isdir(target):
-            notes.append(f"{os.path.join(root, LATEST)} names {name}, which does not exist")
+            notes.append(f"{file} names {name}, which does not exist")
         elif not is_complete(target):
-            notes.append(f"{os.path.join(root, LATEST)} names {name}, which has no {META}")
-        limit = step_of(name)
-        if limit is not None:
-            steps = [p for p in steps if step_of(p) <= limit]
+            notes.append(f"{file} names {name}, which has no {META}")
+        newer = [os.path.basename(p) for p in steps if step_of(p) > step_of(name)]
+        if newer:
+            notes.append(f"{file} names {name}, older than the committed {', '.join(newer)}")
     return list(reversed(steps)), notes
 
 

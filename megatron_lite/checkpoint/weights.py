@@ -6,13 +6,13 @@ step with a fresh optimizer."""
 from __future__ import annotations
 
 import glob
-import json
 import os
+import tempfile
 
 import torch
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.sharded import convert_to_universal, universal_tensor
+from megatron_lite.checkpoint.sharded import convert_to_universal, universal_dir, universal_tensor
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
 
@@ -30,7 +30,7 @@ def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, s
     store.fsync_tree(path)
     meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg),
             "manifest": store.manifest_share(path, 0, 1), **(extra_meta or {})}
-    atomic_write(os.path.join(path, META), json.dumps(meta, indent=1))
+    atomic_write(os.path.join(path, META), store.meta_text(meta))
     atomic_write(os.path.join(ckpt_root, LATEST), tag)
     return path
 
@@ -47,7 +47,7 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
     come back unpadded."""
     from megatron_lite.model.gpt import padded_vocab_size
 
-    zero_dir = os.path.join(convert_to_universal(path), "zero")
+    zero_dir = os.path.join(convert_to_universal(path, universal_dir(path, tempfile.gettempdir())), "zero")
     rows = padded_vocab_size(model_cfg)
     return {name: universal_tensor(zero_dir, name, "fp32", rows) for name in sorted(os.listdir(zero_dir))
             if os.path.isdir(os.path.join(zero_dir, name))}

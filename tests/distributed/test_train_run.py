@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
 from megatron_lite.training import val_loss_key
@@ -111,3 +112,27 @@ def test_profile_steps_write_a_trace_of_those_steps_on_those_ranks(tmp_path):
         assert "aten::" in (tmp_path / "both" / "profile" / f"rank{rank}_steps2-3.txt").read_text()
     assert sorted(os.listdir(tmp_path / "cut" / "profile")) == ["rank1_steps2-2.json.gz", "rank1_steps2-2.txt"]
     assert steps_in(tmp_path / "cut" / "profile" / "rank1_steps2-2.json.gz") == {"step 2"}
+
+
+def test_a_full_disk_at_a_save_ends_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """checkpoint.dir on a 30 MiB tmpfs (root only; skipped otherwise): step 2's checkpoint fits, step 4's does not.
+    PyTorch's writer says only "unexpected pos"; the run ends with one line naming the full directory and the
+    checkpoint still intact, exit 3 (a restart would fill it again), and `latest` still names step 2."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        env = rank_env()
+        proc = subprocess.run([sys.executable, "train.py", f"run.dir={tmp_path}/run", f"checkpoint.dir={small}/ck",
+                               "train.steps=6", "checkpoint.interval=2", "checkpoint.keep=1", "train.eval_interval=0",
+                               "logging.wandb.mode=disabled"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        clean_shared_memory()
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+        assert proc.returncode == 3 and len(errors) == 1, (proc.returncode, proc.stderr[-2000:])
+        assert errors[0].startswith(f"error: checkpoint of step 4 could not be written: checkpoint.dir={small}/ck is "
+                                    "full (") and f"{small}/ck/step_0000002, is intact" in errors[0], errors[0]
+        assert latest_checkpoint(f"{small}/ck") == f"{small}/ck/{step_name(2)}"
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

@@ -59,14 +59,40 @@ def test_manifest_shares_cover_every_file_once(tmp_path):
 def test_auto_resume_passes_over_a_truncated_newest_and_a_dangling_latest(tmp_path):
     for step in (2, 4, 6):
         commit(tmp_path, step)
-    commit(tmp_path, 8, move_latest=False)  # meta.json written, latest not moved yet: not committed
-    assert store.resume_candidates(tmp_path)[0] == [os.path.join(tmp_path, store.step_name(s)) for s in (6, 4, 2)]
+    assert store.resume_candidates(tmp_path) == ([os.path.join(tmp_path, store.step_name(s)) for s in (6, 4, 2)], [])
     os.truncate(shard(os.path.join(tmp_path, store.step_name(6))), 3)
     assert first_sound(str(tmp_path)) == os.path.join(tmp_path, store.step_name(4))
     store.atomic_write(os.path.join(tmp_path, store.LATEST), store.step_name(10))  # names a directory that is gone
     candidates, notes = store.resume_candidates(tmp_path)
     assert notes == [f"{tmp_path}/latest names step_0000010, which does not exist"]
-    assert candidates[0] == os.path.join(tmp_path, store.step_name(8))  # latest's step bounds the candidates
+    assert candidates[0] == os.path.join(tmp_path, store.step_name(6))
+
+
+def test_latest_is_a_pointer_every_committed_checkpoint_is_a_candidate(tmp_path):
+    """meta.json is written once every file is durable and checksummed, so a checkpoint is committed even where
+    `latest` was not moved to it (a crash in between) or names an older or a missing one, or cannot be read:
+    auto tries the newest first and says what `latest` holds (found from outside: a `latest` naming a missing
+    step below the real ones refused to resume at all; one naming an older step rolled back to it)."""
+    for step in (4, 8):
+        commit(tmp_path, step)
+    commit(tmp_path, 12, move_latest=False)
+    newest_first = [os.path.join(tmp_path, store.step_name(s)) for s in (12, 8, 4)]
+    latest = os.path.join(tmp_path, store.LATEST)
+    assert store.resume_candidates(tmp_path) == (newest_first, [
+        f"{latest} names step_0000008, older than the committed step_0000012"])
+    store.atomic_write(latest, store.step_name(2))
+    assert store.resume_candidates(tmp_path)[0] == newest_first
+    for garbage in (b"\xff\xfe\x00garbage", b"", b"step_12"):
+        with open(latest, "wb") as f:
+            f.write(garbage)
+        candidates, notes = store.resume_candidates(tmp_path)
+        assert candidates == newest_first and len(notes) == 1, (garbage, notes)
+    os.remove(latest)
+    os.mkdir(latest)
+    assert store.resume_candidates(tmp_path)[0] == newest_first and store.latest_name(tmp_path) is None
+    os.rmdir(latest)
+    os.symlink(latest, latest)  # a loop
+    assert store.resume_candidates(tmp_path)[1][0].startswith(f"{latest} cannot be read (OSError")
 
 
 def test_prune_keeps_newer_checkpoints_and_renames_committed_ones_aside(tmp_path):
