@@ -321,6 +321,15 @@ class Trainer:
             f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {self.peak / 1e12:.2f} TFLOP/s per "
             f"device ({peak_source})")
         paths = data_paths(cfg.data.path)
+        if self.data.val_samples is not None:  # the validation set wraps around a split smaller than it
+            needed = cfg.train.eval_iters * cfg.train.global_batch_size
+            shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
+            short = [f"{path} holds {n} for its {share * needed:.0f}" for path, n, share
+                     in zip(paths, self.data.val_samples, shares) if n < share * needed]
+            if short:
+                say(f"warning: an evaluation reads train.eval_iters x train.global_batch_size = {needed} validation "
+                    f"samples, more than the validation split has ({'; '.join(short)}): some count more than "
+                    "once; prepare the data with a larger --val-fraction, or lower train.eval_iters")
         if len(paths) > 1:  # each dataset's share and how often the run will have read it
             shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
             samples = cfg.train.steps * cfg.train.global_batch_size

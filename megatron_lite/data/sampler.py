@@ -168,6 +168,7 @@ class Streams:
     val_each: dict[str, object] | None  # each dataset's own validation stream by its path, when asked for
     samples: list[int]  # training samples of each dataset
     weights: list[float]  # each dataset's weight in the blend (unset: its samples, as if the datasets were one)
+    val_samples: list[int] | None = None  # validation samples of each dataset, when asked for
 
 
 def open_streams(path, weights: list[float] | None, seq_len: int, seed: int, validation: bool,
@@ -185,4 +186,5 @@ def open_streams(path, weights: list[float] | None, seq_len: int, seed: int, val
     held_out = [WindowDataset(d.val, seq_len) for d in data] if validation else []
     val = validation_stream(held_out, weights) if validation else None
     val_each = {p: Cycled(d) for p, d in zip(paths, held_out)} if validation and each and len(paths) > 1 else None
-    return Streams(training_stream(train, weights, seed), val, val_each, samples, weights)
+    return Streams(training_stream(train, weights, seed), val, val_each, samples, weights,
+                   [len(d) for d in held_out] if validation else None)

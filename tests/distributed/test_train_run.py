@@ -33,7 +33,8 @@ def test_train_py_logs_checkpoints_and_resumes_the_same_wandb_run(tmp_path):
     run_dir = tmp_path / "run"
     first = train(run_dir, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=2",
                   "train.eval_iters=2", "checkpoint.keep=1")
-    assert "MFU" in first.stdout and "peak" in first.stdout
+    assert "MFU" in first.stdout and "peak" in first.stdout and "warning: an evaluation" not in first.stdout
+    assert "validation at step 2: loss " in first.stdout  # every evaluation gets a line (log_interval or not)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(KEYS <= set(r) for r in rows)
     assert "val_loss" in rows[1] and "val_ppl" in rows[3] and "val_loss" not in rows[0]
@@ -136,3 +137,15 @@ def test_a_full_disk_at_a_save_ends_the_run_in_one_line_and_keeps_the_last_check
         assert latest_checkpoint(f"{small}/ck") == f"{small}/ck/{step_name(2)}"
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_an_evaluation_larger_than_the_validation_split_is_said(tmp_path):
+    """eval_iters x global_batch_size samples beyond the split's (360 windows of 128 tokens here): the set wraps
+    around and some samples count more than once, which the start of the run says."""
+    out = train(tmp_path / "run", "train.steps=1", "train.eval_interval=0", "train.eval_iters=50",
+                "checkpoint.interval=0", "logging.wandb.mode=disabled")
+    assert "warning: an evaluation reads" not in out.stdout  # nothing evaluates: nothing said
+    out = train(tmp_path / "run2", "train.steps=1", "train.eval_interval=1", "train.eval_iters=50",
+                "checkpoint.interval=0", "logging.wandb.mode=disabled")
+    assert ("warning: an evaluation reads train.eval_iters x train.global_batch_size = 400 validation samples, more "
+            "than the validation split has (data/shakespeare-8k holds 360 for its 400)") in out.stdout, out.stdout
