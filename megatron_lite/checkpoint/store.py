@@ -254,6 +254,9 @@ def clear_for_write(path: str) -> str | None:
         shutil.rmtree(path)
         return None
     aside = f"{path}.corrupt.{int(time.time())}"
+    n = 1
+    while os.path.exists(aside):  # set aside twice within a second: never onto the one set aside before
+        aside, n = f"{path}.corrupt.{int(time.time())}.{n}", n + 1
     os.replace(path, aside)
     return aside
 

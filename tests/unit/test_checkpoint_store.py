@@ -176,3 +176,9 @@ def test_a_changed_field_of_meta_json_fails_its_crc(tmp_path):
     del meta[store.META_CRC]
     store.atomic_write(os.path.join(path, store.META), json.dumps(meta))
     assert store.verify(path) is None
+
+
+def test_a_step_set_aside_twice_in_one_second_keeps_both(tmp_path):
+    first = store.clear_for_write(commit(tmp_path, 4))
+    second = store.clear_for_write(commit(tmp_path, 4))
+    assert first != second and os.path.isdir(first) and os.path.isdir(second)
