@@ -15,6 +15,7 @@ torch._dynamo.reset(), and the graph of a tensor-parallel block holds its proces
 import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -63,9 +64,15 @@ def gloo_threads() -> int:
 
 
 def check_nothing_left(overrides: list[str]) -> None:
-    """Raise if the run left a process group besides the default one, or the threads of one."""
+    """Raise if the run left a process group besides the default one, or the threads of one. A destroyed group's
+    threads are joined, but a joined thread's task can still be listed under /proc for a moment (seen once with 8
+    ranks on 2 cores: one thread too many); a leaked thread stays, so the count is taken again for up to 5 s."""
     groups = len(c10d._world.pg_map)
-    threads = gloo_threads() if dist.get_backend() == "gloo" and not compiles(overrides) else 0
+    count = (lambda: gloo_threads()) if dist.get_backend() == "gloo" and not compiles(overrides) else (lambda: 0)
+    threads, deadline = count(), time.monotonic() + 5
+    while threads > GLOO_THREADS_PER_GROUP * groups and time.monotonic() < deadline:
+        time.sleep(0.1)
+        threads = count()
     if groups > 1 or threads > GLOO_THREADS_PER_GROUP * groups:
         raise AssertionError(f"the run {overrides} left {groups - 1} process groups besides the default one and "
                              f"{threads} gloo threads ({GLOO_THREADS_PER_GROUP} are the default group's)")
