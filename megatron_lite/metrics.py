@@ -31,6 +31,7 @@ import netrc
 import os
 import secrets
 import string
+import subprocess
 import sys
 import time
 from urllib.parse import urlparse
@@ -40,6 +41,19 @@ import torch
 from megatron_lite.config import ModelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+    """The checkout's short commit, which a run (wandb's run_facts) and every benchmark record name;
+    MEGATRON_LITE_COMMIT when set, since a tree copied to a GPU node may carry a stale .git or none."""
+    if os.environ.get("MEGATRON_LITE_COMMIT"):
+        return os.environ["MEGATRON_LITE_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - outside a git checkout
+        return "unknown"
 
 # Dense (no 2:4 sparsity) peak FLOP/s per device, from NVIDIA's datasheets: "NVIDIA H100 Tensor Core GPU"
 # (SXM / PCIe / NVL columns), "NVIDIA H200 Tensor Core GPU" (SXM / NVL), "NVIDIA A100 Tensor Core GPU".

@@ -15,7 +15,6 @@ import os
 import platform
 import random
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -43,7 +42,7 @@ from megatron_lite.faults.run_lock import RunDirLock
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
 from megatron_lite.memory import PeakMemory
-from megatron_lite.metrics import MetricsLogger, peak_flops, step_flops
+from megatron_lite.metrics import MetricsLogger, git_commit, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.profiling import StepProfiler
@@ -87,15 +86,6 @@ def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-
-
-def _commit() -> str | None:
-    """The megatron_lite commit this run trains with (None outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def val_loss_key(path: str) -> str:
@@ -249,7 +239,7 @@ class Trainer:
                 "world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
                 "cp": ctx.cp_size, "accumulation": self.engine.accum, "precision": self.precision,
                 "peak_flops_per_device": self.peak, "peak_source": peak_source, "device": _device_name(ctx.device),
-                "commit": _commit(), "kernels": describe(resolve_backend(cfg.kernels.backend, ctx.device))})
+                "commit": git_commit(), "kernels": describe(resolve_backend(cfg.kernels.backend, ctx.device))})
         if cfg.checkpoint.async_save:
             self.writer = AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print,
                                       checkpoint_group(cfg.dist.timeout_s))
@@ -321,9 +311,9 @@ class Trainer:
             f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {self.peak / 1e12:.2f} TFLOP/s per "
             f"device ({peak_source})")
         paths = data_paths(cfg.data.path)
+        shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
         if self.data.val_samples is not None:  # the validation set wraps around a split smaller than it
             needed = cfg.train.eval_iters * cfg.train.global_batch_size
-            shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
             short = [f"{path} holds {n} for its {share * needed:.0f}" for path, n, share
                      in zip(paths, self.data.val_samples, shares) if n < share * needed]
             if short:
@@ -331,7 +321,6 @@ class Trainer:
                     f"samples, more than the validation split has ({'; '.join(short)}): some count more than "
                     "once; prepare the data with a larger --val-fraction, or lower train.eval_iters")
         if len(paths) > 1:  # each dataset's share and how often the run will have read it
-            shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
             samples = cfg.train.steps * cfg.train.global_batch_size
             say(f"data: a blend of {len(paths)}: " + "; ".join(
                 f"{path} {share:.1%} of the samples ({n:,} of its own: {share * samples / n:.2f} epochs by step "
