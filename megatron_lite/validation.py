@@ -266,9 +266,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if r not in ("auto", "never") and not os.path.isfile(os.path.join(r, "meta.json")):
         _fail("checkpoint.resume", r, "is not a complete checkpoint directory (no meta.json)",
               "use auto, never, or a path to a step_<N> directory")
-    if r not in ("auto", "never") and meta_problem(r) is not None:
-        _fail("checkpoint.resume", r, f"cannot be loaded: {meta_problem(r)}",
-              "resume another checkpoint, or checkpoint.resume=auto")
+    problem = meta_problem(r) if r not in ("auto", "never") else None
+    if problem is not None:
+        _fail("checkpoint.resume", r, f"cannot be loaded: {problem}", "resume another checkpoint, or checkpoint.resume=auto")
     for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("run.dir", cfg.run.dir)):
         _check_writable(key, path)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("auto", "offline", "online", "disabled"))

@@ -221,8 +221,7 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
                 input_folder=view, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
                 keep_temp_folder=False, strict=True, inject_missing_state=False,
             ))
-        manifest = {rel: store.digest(os.path.join(dirpath, name)) for dirpath, _, names in os.walk(tmp)
-                    for name in names for rel in [os.path.relpath(os.path.join(dirpath, name), tmp)]}
+        manifest = store.manifest_share(tmp, 0, 1)  # before `done` exists: it is not among its own files
         with open(os.path.join(tmp, "done"), "w") as f:
             json.dump(manifest, f)
         store.fsync_tree(tmp)
