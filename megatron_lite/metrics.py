@@ -244,14 +244,19 @@ def _validation_line(step: int, m: dict) -> str:
     return line + (f" ({', '.join(each)})" if each else "")
 
 
-def _drop_records_after(path: str, step: int) -> None:
+DROPPED = "metrics.dropped.jsonl"  # beside metrics.jsonl: records a restart or a new run set aside
+
+
+def _drop_records_after(path: str, step: int) -> tuple[int, int]:
     """Rewrite the JSONL file at path without records of steps after `step` (and without a half-written last
-    line), through a temporary file renamed over it, so a crash leaves the old file or the new one."""
+    line), through a temporary file renamed over it, so a crash leaves the old file or the new one. The dropped
+    records are appended to metrics.dropped.jsonl beside it first (a fresh run in a run.dir that held another
+    run's history would otherwise erase it). Returns (records dropped, the last step among them)."""
     if not os.path.exists(path):
-        return
+        return 0, 0
     with open(path) as f:
         lines = f.read().split("\n")
-    kept = []
+    kept, dropped, last = [], [], 0
     for line in lines[:-1]:  # the text after the last newline is a line some crash cut short
         try:
             record = json.loads(line)
@@ -259,14 +264,23 @@ def _drop_records_after(path: str, step: int) -> None:
             continue
         if record.get("step", 0) <= step:
             kept.append(line)
+        else:
+            dropped.append(line)
+            last = max(last, record.get("step", 0))
     if len(kept) == len(lines) - 1 and lines[-1] == "":
-        return  # nothing to drop
+        return 0, 0  # nothing to drop
+    if dropped:
+        with open(os.path.join(os.path.dirname(path), DROPPED), "a") as f:
+            f.write("".join(line + "\n" for line in dropped))
+            f.flush()
+            os.fsync(f.fileno())
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write("".join(line + "\n" for line in kept))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return len(dropped), last
 
 
 class MetricsLogger:
@@ -292,9 +306,11 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        if start_step is not None:
-            _drop_records_after(path, start_step)
+        dropped, last = _drop_records_after(path, start_step) if start_step is not None else (0, 0)
         self._jsonl = open(path, "a")
+        if dropped:  # routine after a crash past the last checkpoint; worth a look when it is a whole other run
+            self.print(f"metrics.jsonl: {dropped} record(s) of steps after {start_step} (up to {last}), which this run "
+                       f"starts before, moved to {DROPPED}")
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
             import wandb

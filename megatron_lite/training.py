@@ -28,6 +28,7 @@ from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store
 from megatron_lite.checkpoint import weights as checkpoint_weights
+from megatron_lite.checkpoint.sharded import with_vocab_rows
 from megatron_lite.checkpoint.writer import AsyncWriter, checkpoint_group
 from megatron_lite.config import Config, data_paths
 from megatron_lite.data.sampler import MicroBatches, open_streams, val_batches
@@ -38,12 +39,13 @@ from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, restore_fu
 from megatron_lite.errors import RunError
 from megatron_lite.faults import stalls
 from megatron_lite.faults import stop
-from megatron_lite.faults.run_lock import RunDirLock
+from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
 from megatron_lite.memory import PeakMemory
 from megatron_lite.metrics import MetricsLogger, git_commit, peak_flops, step_flops
 from megatron_lite.model.build import build_model, zero3_partitioner
+from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.validation import notes
@@ -53,24 +55,30 @@ DISK_FULL_BYTES = 64 << 20  # below this much free space a failed checkpoint wri
 
 
 @contextlib.contextmanager
-def _said_if_disk_full(root: str, step: int):
-    """A checkpoint write that fails on a full file system (PyTorch's zip writer says only "unexpected pos")
-    ends the run with one line naming the directory, its free space and the checkpoint still intact, as a run
-    that cannot go on (exit 3: a restart would fill the disk again)."""
+def _said_if_unwritable(root: str, step: int):
+    """A checkpoint write that fails on a full file system (PyTorch's zip writer says only "unexpected pos") or
+    on one remounted read-only while the run lived ends the run with one line naming the directory, the cause and
+    the checkpoint still intact, as a run that cannot go on (exit 3: a restart would fail the same way)."""
     try:
         yield
     except Exception as err:
         try:
             free = shutil.disk_usage(root).free
+            read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
         except OSError:
             raise err from None
-        if free >= DISK_FULL_BYTES and getattr(err, "errno", None) != errno.ENOSPC:
+        code = getattr(err, "errno", None)
+        if read_only or code == errno.EROFS:
+            why, fix = "is read-only", "make it writable (or copy the checkpoints to a writable checkpoint.dir)"
+        elif free < DISK_FULL_BYTES or code == errno.ENOSPC:
+            why, fix = f"is full ({free >> 20} MiB free)", "free space (or lower checkpoint.keep)"
+        else:
             raise
         latest = checkpoint_store.latest_checkpoint(root)
-        raise RunError(f"checkpoint of step {step} could not be written: checkpoint.dir={root} is full ({free >> 20} "
-                       f"MiB free; {type(err).__name__}: {str(err)[:120]}); "
+        raise RunError(f"checkpoint of step {step} could not be written: checkpoint.dir={root} {why} "
+                       f"({type(err).__name__}: {str(err)[:120]}); "
                        + (f"the last committed checkpoint, {latest}, is intact" if latest else "none was committed yet")
-                       + ": free space (or lower checkpoint.keep) and resume") from err
+                       + f": {fix} and resume") from err
 
 
 def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
@@ -108,6 +116,12 @@ class NonFiniteError(RunError):
     """train.max_skipped_in_row consecutive steps had a non-finite loss or gradient norm."""
 
 
+def _evaluates(step: int, t) -> bool:
+    """Whether step ends with an evaluation: every train.eval_interval steps, and the last step of a run that
+    evaluates at all, so the final weights always have a val_loss (Megatron-LM's end-of-training validation)."""
+    return step % t.eval_interval == 0 or (step == t.steps and t.eval_interval <= t.steps)
+
+
 def _pipeline_bubble(stats, ctx: ParallelContext) -> float | None:
     """The share of the schedule's time that pipeline ranks spent not computing, averaged over the pipeline:
     1 - mean(compute seconds) / (longest schedule), None without a pipeline. Idle time counts wherever it
@@ -136,13 +150,17 @@ def run(cfg: Config) -> dict:
 
 
 def _train(cfg: Config) -> dict:
-    trainer, lock = None, None
+    trainer, lock, refusal = None, None, None
     try:
         if os.environ.get("RANK", "0") == "0":  # global rank 0, before any group: one run per run.dir
-            lock = RunDirLock(cfg.run.dir)
+            try:
+                lock = RunDirLock(cfg.run.dir)
+            except RunError as err:
+                refusal = err
         clear_stale_build_locks()  # before DeepSpeed loads its ops: a killed build's lock would hang us forever
         init_distributed(cfg.dist.timeout_s)
         ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+        agree_on_refusal(refusal, cfg.run.dir, ctx.device)
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
         try:
             trainer = Trainer(cfg, ctx, memory)
@@ -248,8 +266,10 @@ class Trainer:
         """This rank's share of the model (from a weights-only checkpoint when resuming one), in its engine."""
         cfg, ctx = self.cfg, self.ctx
         weights = None
-        if meta is not None and meta["kind"] == "weights":
-            weights = checkpoint_weights.load_model_state(resume_path)[1]
+        if meta is not None and meta["kind"] == "weights":  # (written at tp 1: its vocabulary padding is tp 1's)
+            rows = padded_vocab_size(cfg.model, ctx.tp_size)
+            weights = {name: with_vocab_rows(name, tensor, rows)
+                       for name, tensor in checkpoint_weights.load_model_state(resume_path)[1].items()}
         universal = (meta is not None and meta["kind"] == "deepspeed" and cfg.zero.stage > 0  # (ZeRO-0: ours)
                      and self.layout.needs_conversion(Layout.of_checkpoint(meta)))
         partition, build_dtype = None, torch.float32
@@ -343,7 +363,7 @@ class Trainer:
                 record, outcome = self.step(step)
             self.skipped_total, in_row = self.skipped_total + outcome.skipped, in_row + 1 if outcome.skipped else 0
             record["skipped_steps"] = self.skipped_total
-            if self.data.val is not None and step % cfg.train.eval_interval == 0:
+            if self.data.val is not None and _evaluates(step, cfg.train):
                 record.update(self.evaluate())
             fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
             stopped = not fatal and stop.agreed(ctx.device)
@@ -352,7 +372,7 @@ class Trainer:
                 record.update(self.save(step))
             if self.writer is not None:  # an asynchronous save's write time, on the step it is known
                 last = stopped or fatal or step == cfg.train.steps
-                with _said_if_disk_full(cfg.checkpoint.dir, step):
+                with _said_if_unwritable(cfg.checkpoint.dir, step):
                     written = self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
                                             if last else self.writer.finished())
                 if written and "ckpt_write_s" in record:  # this step's save waited for the one before: both known
@@ -381,6 +401,7 @@ class Trainer:
     def step(self, step: int) -> tuple[dict, StepOutcome]:
         """One optimizer step over the global batch, and its metrics record."""
         cfg, ctx = self.cfg, self.ctx
+        self.memory.take()  # mem_peak_gib is this step's: not the evaluation's or the save's before it
         t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
         outcome = self.engine.train_step(self.batches.next_step(), lr, step)
         if step == self.start_step + 1:  # start-up and the first step's warm-up are done: a hang now ends the job soon
@@ -431,7 +452,7 @@ class Trainer:
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}
-        with _said_if_disk_full(cfg.checkpoint.dir, step):
+        with _said_if_unwritable(cfg.checkpoint.dir, step):
             if self.writer is None:
                 path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
             else:  # the previous save is still being written: wait for it (the wait counts as blocked), report it

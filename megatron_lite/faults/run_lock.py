@@ -6,6 +6,10 @@ every step twice. The lock is an flock(2): the kernel drops it when the holder e
 SIGKILL), so a restart (torchrun, Slurm's requeue) takes it again at once; on a shared file system it needs
 lock support (NFSv4, Lustre and GPFS have it). The file holds the holder's host, pid and start time, for the
 message the second run gets.
+
+Only rank 0 tries the lock, and a refused rank 0 still joins the process group: every rank then ends with the
+refusal (exit 3). Under Slurm rank 0 serves the rendezvous, so a rank 0 that left before it would leave the
+others waiting to connect until Slurm killed them, and the script would requeue the killed job as a crash.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import fcntl
 import os
 import socket
 import time
+
+import torch
+import torch.distributed as dist
 
 from megatron_lite.errors import RunError
 
@@ -43,3 +50,14 @@ class RunDirLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def agree_on_refusal(refusal: RunError | None, run_dir: str, device: torch.device) -> None:
+    """Collective over the default group (tensors on `device`, the run's): raise rank 0's refusal (or a pointer to
+    it) on every rank."""
+    refused = torch.tensor([refusal is not None], dtype=torch.int32, device=device)
+    dist.broadcast(refused, src=0)
+    if refusal is not None:
+        raise refusal
+    if refused.item():
+        raise RunError(f"run.dir={run_dir} is in use by another run (rank 0 names it)")

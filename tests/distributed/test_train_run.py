@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
-from megatron_lite.training import val_loss_key
+from megatron_lite.errors import RunError
+from megatron_lite.training import _said_if_unwritable, val_loss_key
 from tests.distributed.common import TEST_VOCAB, overrides, test_corpus, write_prepared
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs
 from tests.utils.wandb_reader import read_wandb_history
@@ -31,13 +32,14 @@ def train(run_dir, *overrides):
 
 def test_train_py_logs_checkpoints_and_resumes_the_same_wandb_run(tmp_path):
     run_dir = tmp_path / "run"
-    first = train(run_dir, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=2",
+    first = train(run_dir, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=3",
                   "train.eval_iters=2", "checkpoint.keep=1")
     assert "MFU" in first.stdout and "peak" in first.stdout and "warning: an evaluation" not in first.stdout
-    assert "validation at step 2: loss " in first.stdout  # every evaluation gets a line (log_interval or not)
+    assert "validation at step 3: loss " in first.stdout  # every evaluation gets a line (log_interval or not)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(KEYS <= set(r) for r in rows)
-    assert "val_loss" in rows[1] and "val_ppl" in rows[3] and "val_loss" not in rows[0]
+    # Every eval_interval steps, and the last step (off the interval) too.
+    assert [r["step"] for r in rows if "val_loss" in r and "val_ppl" in r] == [3, 4]
     assert all(0 < r["mfu"] == r["hfu"] for r in rows)  # no recomputation: HFU equals MFU
     assert [r["tokens"] for r in rows] == [8 * 128 * s for s in (1, 2, 3, 4)]
 
@@ -137,6 +139,27 @@ def test_a_full_disk_at_a_save_ends_the_run_in_one_line_and_keeps_the_last_check
         assert latest_checkpoint(f"{small}/ck") == f"{small}/ck/{step_name(2)}"
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_a_checkpoint_dir_turned_read_only_is_said_in_one_line(tmp_path):
+    """A file system remounted read-only while the run lives (a storage fault): the failed save is put down to it
+    in one line (exit 3), not a traceback that a requeue would repeat. Root only (a tmpfs remounted ro)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(ck)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        assert subprocess.run(["mount", "-o", "remount,ro", str(ck)]).returncode == 0
+        with pytest.raises(RunError, match=rf"^checkpoint of step 4 could not be written: checkpoint.dir={ck} is "
+                                           r"read-only \(RuntimeError: Parent directory .*\); none was committed yet: "
+                                           r"make it writable"):
+            with _said_if_unwritable(str(ck), 4):
+                raise RuntimeError("Parent directory /x/step_0000004 does not exist.")  # torch.save's words
+        with pytest.raises(ValueError):  # anything else on a writable, roomy file system is not ours to name
+            with _said_if_unwritable(str(tmp_path), 4):
+                raise ValueError("not a storage fault")
+    finally:
+        subprocess.run(["umount", str(ck)], capture_output=True)
 
 
 def test_an_evaluation_larger_than_the_validation_split_is_said(tmp_path):

@@ -234,9 +234,11 @@ def test_status_line_shows_the_pipeline_bubble_only_with_a_pipeline():
     assert _status_line(3, 10, {**record, "bubble": 0.1875}).endswith("MFU 50.00%  bubble 18.8%")
 
 
-def test_a_resumed_run_replaces_the_records_of_the_steps_it_runs_again(tmp_path):
+def test_a_resumed_run_replaces_the_records_of_the_steps_it_runs_again(tmp_path, capsys):
     """A run that went on past its last checkpoint (step 4) logged steps 5 and 6, then crashed mid-line; the
-    resumed run drops them (and the cut line) before it logs step 5 again: every step once (issue 23)."""
+    resumed run drops them (and the cut line) before it logs step 5 again: every step once (issue 23). The
+    dropped records go to metrics.dropped.jsonl, said: a fresh run (start_step 0, e.g. from an HF import) in a
+    run.dir holding another run's history erased it without a word."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 7)) + '{"step": 7, "lo')
     logger = MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=4)
@@ -244,8 +246,14 @@ def test_a_resumed_run_replaces_the_records_of_the_steps_it_runs_again(tmp_path)
     logger.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["loss"] == 0.5
+    assert "metrics.jsonl: 2 record(s) of steps after 4 (up to 6), which this run starts before, moved to " \
+           "metrics.dropped.jsonl" in capsys.readouterr().out
     MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=5).close()  # nothing to drop
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=0).close()  # a fresh run
+    assert path.read_text() == ""
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()] == \
+        [5, 6, 1, 2, 3, 4, 5]
 
 
 class _FakeRun:
