@@ -49,9 +49,22 @@ def notes(cfg: Config) -> list[str]:
     if t.profile_steps is not None and t.profile_steps[1] > t.steps:
         out.append(f"train.profile_steps={list(t.profile_steps)} ends after train.steps={t.steps}: the profile "
                    "stops at the last step")
+    if t.recompute_every != 1 and t.recompute != "full":
+        out.append(f"train.recompute_every={t.recompute_every} does nothing without train.recompute=full "
+                   f"(it is {t.recompute})")
+    if cfg.zero.offload_optimizer == "nvme" and cfg.checkpoint.interval:
+        out.append("zero.offload_optimizer=nvme: this run's checkpoints cannot be resumed (DeepSpeed 0.19 does not "
+                   "restore its optimizer exactly; docs/checkpoints-and-faults.md); zero.offload_optimizer=cpu's can")
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
     return out
+
+
+def _tokenizer_of(meta: dict) -> tuple:
+    """What a prepared dataset was tokenized with: the tokenizer's directory however its path was written, its
+    size and end-of-document id."""
+    path = meta.get("tokenizer")
+    return path and os.path.realpath(repo_path(path)), meta.get("vocab_size"), meta.get("eos_id")
 
 
 def _itemsize(meta: dict) -> int:
@@ -82,8 +95,7 @@ def _check_data(cfg: Config) -> None:
         with open(os.path.join(repo_path(path), "meta.json")) as f:
             metas.append(json.load(f))
     for k, meta in enumerate(metas[1:], 1):
-        if (meta.get("tokenizer"), meta.get("vocab_size"), meta.get("eos_id")) != \
-                (metas[0].get("tokenizer"), metas[0].get("vocab_size"), metas[0].get("eos_id")):
+        if _tokenizer_of(meta) != _tokenizer_of(metas[0]):
             _fail(key(k), paths[k], f"was prepared with tokenizer {meta.get('tokenizer')} ({meta.get('vocab_size')} "
                   f"tokens), {key(0)}={paths[0]} with {metas[0].get('tokenizer')} ({metas[0].get('vocab_size')})",
                   "prepare every dataset of a blend with the same tokenizer (tools/prepare_data.py --tokenizer)")
@@ -204,6 +216,14 @@ def validate(cfg: Config, world_size: int) -> None:
     if z.offload_param != "none" and z.stage != 3:
         _fail("zero.offload_param", z.offload_param, f"needs zero.stage=3 (got {z.stage})",
               "set zero.stage=3 or zero.offload_param=none")
+    if z.offload_optimizer == "nvme" and z.stage != 3:  # DeepSpeed's ZeRO-1/2 take any device as CPU, silently
+        _fail("zero.offload_optimizer", "nvme", f"needs zero.stage=3 (got {z.stage}: DeepSpeed's ZeRO-1 and -2 offload "
+              "the optimizer to CPU memory only)", "set zero.stage=3, or zero.offload_optimizer=cpu")
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        if not z.nvme_path:
+            _fail("zero.nvme_path", repr(z.nvme_path), "is empty (the swap files would go to the working directory)",
+                  "give the NVMe directory, e.g. zero.nvme_path=/local_nvme/swap")
+        _check_writable("zero.nvme_path", z.nvme_path)
 
     # --- batch and steps ---
     for key in ("steps", "global_batch_size", "micro_batch_size"):
@@ -241,7 +261,7 @@ def validate(cfg: Config, world_size: int) -> None:
     bad_ranks = [r for r in t.profile_ranks if not (isinstance(r, int) and 0 <= r < world_size)]
     if bad_ranks or not t.profile_ranks:
         _fail("train.profile_ranks", list(t.profile_ranks), f"must name ranks of the {world_size} in this run",
-              f"use e.g. [0] or [0,{world_size - 1}]")
+              "use e.g. [0]" + (f" or [0,{world_size - 1}]" if world_size > 1 else ""))
 
     # --- optimizer ---
     if not (o.lr > 0 and math.isfinite(o.lr)):
@@ -269,7 +289,7 @@ def validate(cfg: Config, world_size: int) -> None:
     problem = meta_problem(r) if r not in ("auto", "never") else None
     if problem is not None:
         _fail("checkpoint.resume", r, f"cannot be loaded: {problem}", "resume another checkpoint, or checkpoint.resume=auto")
-    for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("run.dir", cfg.run.dir)):
+    for key, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):  # (the second in the first)
         _check_writable(key, path)
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ("auto", "offline", "online", "disabled"))
     _choice("kernels.backend", cfg.kernels.backend, ("auto", "triton", "torch"))

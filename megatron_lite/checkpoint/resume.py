@@ -146,6 +146,17 @@ def check_resume(cfg, world_size: int) -> None:
         raise ConfigError(f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
                           f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir")
     if meta["kind"] == "deepspeed":
+        saved_nvme = meta["config"].get("zero", {}).get("offload_optimizer") == "nvme"
+        if saved_nvme or cfg.zero.offload_optimizer == "nvme":
+            # DeepSpeed 0.19 loads such a run by copying the swap files back and skips its ZeRO checkpoint: the
+            # optimizer group it keeps in memory (norms and biases) came back at its initial values and the others
+            # a step off (the resumed losses 1e-2 from the straight run's); from a checkpoint of another offload
+            # it fails in its loader. Measured; refused rather than trained on wrong weights.
+            which = f"{path} was written with zero.offload_optimizer=nvme" if saved_nvme else \
+                f"zero.offload_optimizer=nvme cannot load {path}"
+            raise ConfigError(f"checkpoint.resume: {which}, which DeepSpeed 0.19 does not restore exactly (norms and "
+                              "biases come back at their initial values); train with zero.offload_optimizer=cpu for "
+                              "resumable checkpoints, or start afresh (checkpoint.resume=never)")
         saved = Layout.of_checkpoint(meta)
         layout = Layout.of_run(cfg, world_size)
         saved_pipe, pipe, saved_stage = saved.pipeline, layout.pipeline, saved.zero_stage
@@ -164,9 +175,12 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
                               f"with zero.stage={saved_stage}; TP resharding works among ZeRO stages 0, 1 and 2: "
                               f"use parallel.tp={saved_tp}, or zero.stage={min(saved_stage, 2)}")
-        if stages == {0, 3}:
-            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}; "
-                              f"use zero.stage={saved_stage}, 1 or 2 (ZeRO-0 converts to and from 1 and 2)")
+        if 3 in stages and len(stages) == 2:  # DeepSpeed's universal loader looks for the other stage's file names
+            use = "zero.stage=3 (at any DP size)" if saved_stage == 3 else \
+                f"zero.stage={saved_stage}" + (", 1 or 2 (ZeRO-0 converts to and from 1 and 2)" if saved_stage == 0 else
+                                               " or another of 0, 1 and 2")
+            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}: "
+                              f"checkpoints move between ZeRO stages 0, 1 and 2, and ZeRO-3's only to ZeRO-3; use {use}")
         # DeepSpeed's universal loader serves ZeRO 1-2 (ZeRO-0 loads through ours, which cuts as the model builds).
         deepspeed_loads = cfg.zero.stage in (1, 2) and layout.needs_conversion(saved)
         tp = cfg.parallel.tp

@@ -324,11 +324,16 @@ def universal_tensor(zero_dir: str, name: str, state: str, vocab_rows: int) -> t
     """One full fp32 tensor of the universal form (state: fp32, exp_avg or exp_avg_sq), a vocabulary tensor's
     rows brought to `vocab_rows` (the conversion drops a TP checkpoint's padding rows; padded rows are zero)."""
     saved = torch.load(os.path.join(zero_dir, name, f"{state}.pt"), map_location="cpu", weights_only=False)
-    tensor = saved["param"].float()
-    if name in ("wte.weight", "lm_head.weight") and tensor.shape[0] != vocab_rows:
-        padding = tensor.new_zeros(max(0, vocab_rows - tensor.shape[0]), tensor.shape[1])
-        tensor = torch.cat([tensor[:vocab_rows], padding])
-    return tensor
+    return with_vocab_rows(name, saved["param"].float(), vocab_rows)
+
+
+def with_vocab_rows(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary tensor (the embedding, the head) with `rows` rows: padding rows cut, or zero rows added (the
+    padding depends on tp: model.vocab_multiple x tp); any other tensor as it is."""
+    if name not in ("wte.weight", "lm_head.weight") or tensor.shape[0] == rows:
+        return tensor
+    padding = tensor.new_zeros(max(0, rows - tensor.shape[0]), tensor.shape[1])
+    return torch.cat([tensor[:rows], padding])
 
 
 @torch.no_grad()

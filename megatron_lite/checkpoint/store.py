@@ -17,7 +17,7 @@ skipped is named with the reason. A dangling `latest` (the directory is gone) fa
 checkpoints exist but none verifies, that is an error naming them, never a silent start from step 0.
 
 Nothing complete is deleted except by keep-N pruning of checkpoints older than the one just committed; a
-checkpoint that failed verification is renamed aside (`.corrupt`), not deleted, when the run reaches its step.
+checkpoint that failed verification is renamed aside (`.corrupt`), not deleted, when the run writes that step again.
 """
 
 from __future__ import annotations

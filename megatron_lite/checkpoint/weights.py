@@ -5,8 +5,10 @@ step with a fresh optimizer."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import sys
 import tempfile
 
 import torch
@@ -71,6 +73,9 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     if meta["kind"] == "weights":
         # Memory-mapped: a rank that builds only its share (model/build.py) reads only the tensors it takes.
         return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True, mmap=True)
+    if "deepspeed" not in sys.modules:  # DeepSpeed logs to stdout from its import on, where a tool's output goes
+        with contextlib.redirect_stdout(sys.stderr):  # (generate.py's text): its handler takes stderr instead
+            import deepspeed  # noqa: F401
     if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1:
         return model_cfg, _merged_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:

@@ -73,7 +73,11 @@ class Engine:
         # Activations (and pipeline messages): bf16 where DeepSpeed holds bf16 parameters; under ZeRO-0's
         # autocast the residual stream stays fp32 (embeddings and norms are fp32 ops there).
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
-        self._group_hparams = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.optimizer.param_groups]
+        # Every hyperparameter of this run's optimizer groups (not the learning rate, set each step), put back after a
+        # load: a checkpoint of another optimizer (torch's AdamW, saved without offload, into DeepSpeed's CPU Adam)
+        # lacks some (bias_correction: a KeyError at the first step), and ZeRO-3's universal load mixes them up.
+        self._group_hparams = [{k: v for k, v in g.items() if k not in ("params", "lr", "step")}
+                               for g in self.optimizer.param_groups]
         # ZeRO optimizers take `output.backward(grad)` through the engine's forward (its hooks open and close
         # each backward). DeepSpeed's plain ZeRO-0 optimizer does not, so there the chunks run the module
         # directly, gradients accumulate in .grad, and we average, measure and clip them before the step.

@@ -77,9 +77,11 @@ def sum_zero3_gradients_over_cp(optimizer, cp_size: int) -> None:
 
 
 def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
-    """Two repairs after DeepSpeed 0.19's ZeRO-3 universal load: it copies group 0's hyperparameters into every
-    group (weight decay on biases and norms), and it hands every group the *same* `step` tensor, which torch's
-    AdamW then increments once per group per step (wrong bias correction). (test_resume.py, elastic ZeRO-3.)"""
+    """Repairs after a DeepSpeed 0.19 load: the groups' hyperparameters are this run's optimizer's (ZeRO-3's
+    universal load copies group 0's into every group, putting weight decay on biases and norms; a checkpoint of
+    torch's AdamW loaded into DeepSpeed's CPU Adam lacks its bias_correction), and no two parameters share a
+    `step` tensor (the universal load hands every group the same one, which torch's AdamW then increments once
+    per group per step: wrong bias correction). (test_resume.py: elastic ZeRO-3, offload switched on.)"""
     for group, saved in zip(optimizer.param_groups, hparams):
         group.update(saved)
     inner = getattr(optimizer, "optimizer", optimizer)

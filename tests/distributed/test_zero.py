@@ -1,4 +1,4 @@
-"""ZeRO 0/1/2/3 (and CPU optimizer offload) on 2 and 4 gloo ranks follow the single-process trajectory.
+"""ZeRO 0/1/2/3 (and optimizer and parameter offload) on 2 and 4 gloo ranks follow the single-process trajectory.
 
 The global batch is the same in every run (8 sequences); only how it is split over ranks and accumulation
 steps changes. Tolerance over 6 steps in fp32: 1e-4 absolute on the per-step loss, 1e-4 relative on the
@@ -6,6 +6,8 @@ per-step gradient norm (which must count every parameter once, whatever the layo
 floating-point additions, so runs are not bitwise equal; measured: losses <= 3.8e-6, gradient norms
 <= 1.4e-6 (ZeRO-0: 4.8e-7 and 2.0e-8).
 """
+
+import glob
 
 import pytest
 
@@ -75,14 +77,19 @@ def _async_io_available() -> bool:
 @pytest.mark.timeout(1500)  # the wait for that build (conftest.BUILD_WAIT_S), then the test
 @pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
 def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
-    """Optimizer states on NVMe (stage 2), and optimizer states plus parameters on NVMe (stage 3), through
-    DeepSpeed's async I/O on a local directory. Stage 3 needed a repair (repairs.honour_explicit_zero3_dtype):
+    """Optimizer states on NVMe, and optimizer states plus parameters on NVMe (ZeRO-3 both: DeepSpeed's ZeRO-1/2
+    take an NVMe optimizer as CPU offload, which validation refuses), through DeepSpeed's async I/O on a local
+    directory, whose swap files show the states went there. Needed a repair (repairs.honour_explicit_zero3_dtype):
     without it the swapped embedding came back rounded to bf16 and the losses drifted by 2.3e-4."""
-    runs = [overrides(tmp_path, f"nvme_z{stage}", f"zero.stage={stage}", "zero.offload_optimizer=nvme",
-                      *(["zero.offload_param=nvme"] if stage == 3 else []),
-                      f"zero.nvme_path={tmp_path}/nvme_z{stage}") for stage in (2, 3)]
-    for stage, result in zip((2, 3), run_configs(2, runs, tmp_path)):
-        assert_follows(result, reference, f"zero.stage={stage} NVMe offload")
+    kinds = {"opt": ["zero.offload_param=none"], "all": ["zero.offload_param=nvme"]}
+    runs = [overrides(tmp_path, f"nvme_{kind}", "zero.stage=3", "zero.offload_optimizer=nvme", *extra,
+                      f"zero.nvme_path={tmp_path}/nvme_{kind}") for kind, extra in kinds.items()]
+    for kind, result in zip(kinds, run_configs(2, runs, tmp_path)):
+        assert_follows(result, reference, f"ZeRO-3 NVMe offload ({kind})")
+        assert glob.glob(f"{tmp_path}/nvme_{kind}/zero_stage_3/optimizer/rank*/*.swp"), kind
+    # the parameter swapper's folder (its files come and go as parameters are swapped in and out)
+    assert not glob.glob(f"{tmp_path}/nvme_opt/zero_stage_3/*params") and \
+        glob.glob(f"{tmp_path}/nvme_all/zero_stage_3/*params/rank*")
 
 
 def test_a_zero3_run_leaves_the_next_run_in_its_world_unchanged(tmp_path, monkeypatch):

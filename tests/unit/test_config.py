@@ -51,6 +51,11 @@ BAD = [
     (["train.profile_ranks=[]"], 1, "train.profile_ranks=[] must name ranks"),
     (["zero.stage=2", "zero.offload_param=cpu"], 1, "zero.offload_param=cpu needs zero.stage=3"),
     (["zero.offload_optimizer=cpu"], 1, "zero.offload_optimizer=cpu needs zero.stage >= 1"),
+    (["zero.stage=2", "zero.offload_optimizer=nvme"], 1, "zero.offload_optimizer=nvme needs zero.stage=3 (got 2: "
+     "DeepSpeed's ZeRO-1 and -2 offload the optimizer to CPU memory only)"),
+    (["zero.stage=3", "zero.offload_param=nvme", "zero.nvme_path="], 1, "zero.nvme_path='' is empty"),
+    (["zero.stage=3", "zero.offload_param=nvme", "zero.nvme_path=/proc/version/swap"], 1,
+     "zero.nvme_path=/proc/version/swap cannot be written"),
     (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size=12"),
     (["train.global_batch_size=16", "train.micro_batch_size=8"], 4, "x dp=4"),
     (["parallel.tp=2"], 3, "must divide the world size 3"),
@@ -176,12 +181,13 @@ def test_settings_that_do_nothing_are_named(data_dir):
 
     assert notes(load([f"data.path={data_dir}"], world_size=1)) == []
     cfg = load([f"data.path={data_dir}", "parallel.sp=true", "train.steps=50", "optim.warmup_steps=100",
-                "train.eval_interval=60", "train.eval_per_dataset=true"], world_size=1)
+                "train.eval_interval=60", "train.eval_per_dataset=true", "train.recompute_every=2"], world_size=1)
     assert notes(cfg) == [
         "parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)",
         "optim.warmup_steps=100 > train.steps=50: the run ends in its warmup, at a learning rate of 0.0005 "
         "(optim.lr=0.001)",
         "train.eval_per_dataset=true does nothing with one data.path (val_loss is that dataset's)",
+        "train.recompute_every=2 does nothing without train.recompute=full (it is none)",
         "train.eval_interval=60 > train.steps=50: this run never evaluates"]
     at_tp2 = load([f"data.path={data_dir}", "parallel.tp=2", "parallel.sp=true", "train.steps=50",
                    "optim.warmup_steps=50", "train.eval_interval=50"], world_size=2)
@@ -225,7 +231,8 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
                                           r"checkpoint \S+ \(model.n_layers=4 model.d_model=128 model.seq_len=128\); "
                                           r"use model.n_layers=4 model.d_model=128 model.seq_len=128, or"):
         load(args + ["model.n_layers=6", "model.d_model=64", "model.seq_len=64"], world_size=1)
-    with pytest.raises(ConfigError, match=r"^zero.stage=3 cannot resume .* zero.stage=0; use zero.stage=0, 1 or 2"):
+    with pytest.raises(ConfigError, match=r"^zero.stage=3 cannot resume .* zero.stage=0: checkpoints move between ZeRO "
+                                          r"stages 0, 1 and 2, and ZeRO-3's only to ZeRO-3; use zero.stage=0, 1 or 2"):
         load(args + ["zero.stage=3"], world_size=1)
     # ZeRO-0 converts to and from ZeRO 1-2, at any DP, TP or pipeline layout (checkpoint/sharded.py)
     write(0, tp_split_patterns=True)
@@ -247,8 +254,19 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     write(3)
     with pytest.raises(ConfigError, match=r"^parallel.tp=2 cannot resume .* zero.stage=3; TP resharding works among"):
         load(args + ["model=llama-tiny", "zero.stage=3", "parallel.tp=2"], world_size=2)
-    with pytest.raises(ConfigError, match=r"^zero.stage=0 cannot resume .* zero.stage=3; use zero.stage=3, 1 or 2"):
-        load(args + ["model=llama-tiny", "zero.stage=0"], world_size=1)
+    for stage in (0, 1, 2):  # DeepSpeed's universal loader looked for the other stage's files: a traceback
+        with pytest.raises(ConfigError, match=rf"^zero.stage={stage} cannot resume .* zero.stage=3: .*; use "
+                                              r"zero.stage=3 \(at any DP size\)$"):
+            load(args + ["model=llama-tiny", f"zero.stage={stage}"], world_size=1)
+    write(2)
+    with pytest.raises(ConfigError, match=r"^zero.stage=3 cannot resume .* zero.stage=2: .*; use zero.stage=2 or "
+                                          r"another of 0, 1 and 2$"):
+        load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1)
+    # DeepSpeed 0.19 does not restore an NVMe-offloaded optimizer exactly (docs/checkpoints-and-faults.md)
+    write(3, config={"model": asdict(cfg.model), "zero": {"offload_optimizer": "nvme"}})
+    with pytest.raises(ConfigError, match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme, "
+                                          r"which DeepSpeed 0.19 does not restore exactly"):
+        load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1)
 
 
 BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides, the message's start)
