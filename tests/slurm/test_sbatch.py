@@ -4,8 +4,9 @@
 - a job whose batch shell gets SIGUSR1 mid-run (what --signal=B:USR1@120 sends before the time limit): the
   ranks checkpoint at the next step boundary and exit 0, the script requeues the job, which resumes from
   `latest` and finishes; every step is logged exactly once;
-- a job one of whose ranks is SIGKILLed: srun ends the other, the script requeues the job (a crash), which
-  resumes from the last checkpoint and finishes; steps after that checkpoint run again (logged once);
+- a job stopped once (requeued) and then one of whose ranks is SIGKILLed: srun ends the other, the script
+  requeues the job (a crash, the first: the stop does not count against MAX_RESTARTS), which resumes from the
+  last checkpoint and finishes; steps after that checkpoint run again (logged once);
 - a job cancelled with `scancel`: the ranks checkpoint and stop, and the job stays cancelled (no requeue);
 - a job with a configuration error: refused in the batch shell with the one-line error, exit 2, no requeue.
 Every step the three jobs log has the loss of the uninterrupted job's same step (1e-6: exact resume, the same
@@ -31,12 +32,12 @@ TRAIN = [f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch
          "train.precision=fp32", "train.eval_interval=0", "dist.step_timeout_s=60"]
 
 
-def submit(cluster, run_dir: str, *overrides: str) -> str:
+def submit(cluster, run_dir: str, *overrides: str, **env: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     args = ["--nodes=2", "--ntasks-per-node=1", f"--output={run_dir}/slurm.out", "--job-name=ci",
             os.path.join(ROOT, "slurm/train.sbatch"), f"run.dir={run_dir}", *TRAIN, *overrides]
     # a free rendezvous port rather than the script's job-id default: job ids restart at 1 in every test cluster
-    env = rank_env(PY=os.path.join(ROOT, ".venv/bin/python"), MASTER_PORT=str(free_port()))
+    env = rank_env(PY=os.path.join(ROOT, ".venv/bin/python"), TRAIN_MASTER_PORT=str(free_port()), **env)
     return cluster.submit(args, cwd=ROOT, env=env)
 
 
@@ -109,19 +110,22 @@ def test_a_job_trains_to_its_last_step(uninterrupted):
 
 @pytest.mark.slow
 def test_a_killed_rank_is_requeued_and_resumes(cluster, uninterrupted, tmp_path):
+    """MAX_RESTARTS=1 after a stop's requeue: the stop is not a crash, so the kill still gets its one requeue."""
     run_dir = str(tmp_path / "kill")
-    job = submit(cluster, run_dir)
-    wait_for_step(run_dir, INTERVAL + 2, cluster, job)  # a checkpoint exists, and steps after it
+    job = submit(cluster, run_dir, MAX_RESTARTS="1")
+    wait_for_step(run_dir, 3, cluster, job)
+    cluster.signal_batch(job, "USR1")
+    wait_for_step(run_dir, 2 * INTERVAL + 2, cluster, job)  # resumed, a checkpoint after the stop, steps after it
     ranks = subprocess.run(["pgrep", "-f", f"train.py run.dir={run_dir} "], capture_output=True, text=True).stdout.split()
     assert ranks, "no rank found to kill"
     os.kill(int(ranks[-1]), signal.SIGKILL)
     records, out = finish(cluster, job, run_dir)
-    assert "requeueing job" in out, out[-3000:]
+    assert "(restart 1, after a stop)" in out and "(restart 2, crash 1 of at most MAX_RESTARTS=1)" in out, out[-3000:]
     # The requeued job drops the records of the steps it runs again (metrics.jsonl has every step once); the
     # restart count (Slurm's) tells where it took over: right after a checkpoint the first job committed.
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), [r["step"] for r in records]
-    resumed = next(r["step"] for r in records if r["restarts"] > 0)
-    assert (resumed - 1) % INTERVAL == 0 and resumed - 1 >= INTERVAL, records
+    resumed = next(r["step"] for r in records if r["restarts"] == 2)
+    assert (resumed - 1) % INTERVAL == 0 and resumed - 1 >= 2 * INTERVAL, records
     losses_match(records, uninterrupted()[1])
     assert_checkpoints(run_dir)
 
