@@ -59,7 +59,7 @@ def paper_factor(sp: bool, recompute: str, t: int, scores: float) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -75,7 +75,7 @@ def _states(engine) -> list[torch.Tensor]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gpt2-350m")
     ap.add_argument("--saves", type=int, default=3, help="saves of each kind, alternating")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed)")

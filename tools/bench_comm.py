@@ -117,7 +117,7 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

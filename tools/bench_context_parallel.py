@@ -318,7 +318,7 @@ def report(record: dict) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON record (bench/results/...)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per overlap case, after one warm-up")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # for the ranks: main, overlap, fit1, fit4

@@ -386,7 +386,7 @@ def run_side(preset: str, micro: int, seq: int, side: str, quick: bool, profile_
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="short shapes and few steps (checks the tool)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput,tune")

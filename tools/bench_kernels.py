@@ -164,7 +164,7 @@ def run_case(fn, inputs, backward: bool):
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter: checks the paths)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C compiler)")
@@ -200,9 +200,9 @@ def main(argv=None) -> list[dict]:
                 line += "  | GPU " + "  ".join(f"{k} {1e3 * v:7.3f}" for k, v in gpu.items()) + \
                     f" ms, triton {100 * row['gpu_fraction_of_copy_bw']:.0f}% of copy"
             rows.append(row)
-            print(f"{name:<14}{phase:<9}" + line +
-                  f"  per call: triton {row['triton_GBps']:7.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
-                  f"  x{row['speedup_vs_eager']:.2f} vs eager", flush=True)
+            share = "" if device.type == "cpu" else \
+                f"  per call: triton {row['triton_GBps']:7.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
+            print(f"{name:<14}{phase:<9}" + line + share + f"  x{row['speedup_vs_eager']:.2f} vs eager", flush=True)
     if device.type == "cpu":
         print("CPU interpreter: every path ran; the timings are not kernel speed (no result written)")
         return rows

@@ -322,7 +322,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON record; PNGs go next to it (default bench/results)")
     ap.add_argument("--f-ms", type=float, default=20.0, help="forward of one rank's share of the model (ms)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per case, after one warm-up")
@@ -371,8 +371,9 @@ def main(argv=None) -> None:
                   f"{r['ratio']:>7.2f}{r['busy']:>8.3f}{r['makespan_ms']:>13.1f}{r['ideal_ms']:>10.1f}"
                   f"{r['mean_f_ms']:>7.2f}{r['mean_b_ms']:>7.2f}{r['mean_w_ms']:>7.2f}{r['extra_ms_per_comm']:>15.2f}"
                   f"  {r['peak_held_measured']}")
-        print("DP-group collectives of one pp=2 x dp=2 step, m=4, per rank: bus bytes (calls) during the schedule "
-              "| during step()")
+        if zero:  # (not measured with --no-zero)
+            print("DP-group collectives of one pp=2 x dp=2 step, m=4, per rank: bus bytes (calls) during the schedule "
+                  "| during step()")
         for stage, per_rank in zero.items():  # empty with --no-zero
             for r in per_rank:
                 cells = [[sum(v for k, v in r[what].items() if k.startswith(f"dp/{phase} "))

@@ -101,6 +101,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if min(args.cp, args.seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.repeats) < 1:
+        ap.error("--cp, --seq, --batch, --heads, --kv-heads, --head-dim and --repeats must be >= 1")
+    if args.heads % args.kv_heads or args.seq % (2 * args.cp):
+        ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}, and 2 x --cp {args.cp} must divide "
+                 f"--seq {args.seq} (each rank holds two chunks)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here; use --device cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     g = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(args.batch, h, args.seq, args.head_dim, generator=g).to(args.device, dtype)

@@ -73,7 +73,7 @@ def timed(fn, steps: int, device) -> list[float]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help="model preset (a GPT-2-style one: HF side is GPT2LMHeadModel)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's seq_len")

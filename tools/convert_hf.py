@@ -12,6 +12,9 @@ One name table per flavour serves both directions (ours <- HF):
   Both:  our embedding (and untied head) has padded rows (a multiple of model.vocab_multiple); zeros on
          import, stripped on export. HF buffers that are not weights (GPT-2's attention masks before
          transformers 5, RoPE inv_freq tables) are skipped; any other HF tensor we have no place for is refused.
+         Dropout: GPT-2's attn/resid/embd_pdrop (equal) are our model.dropout both ways; a Llama's
+         attention_dropout must be 0 on import (ours also drops on the residual branches), and our dropout is
+         exported as it (said).
 Left out on purpose: RoPE scaling variants (linear, dynamic, yarn, llama3), a Llama with only one of
 attention_bias / mlp_bias, head_dim != hidden_size / heads, hub downloads (local directories only).
 """
@@ -71,11 +74,16 @@ def hf_config_to_model_config(hf_config) -> ModelConfig:
             _refuse("GPT-2 scale_attn_weights/scale_attn_by_inverse_layer_idx/add_cross_attention",
                     f"{hf.scale_attn_weights}/{hf.scale_attn_by_inverse_layer_idx}/{hf.add_cross_attention}",
                     "only plain causal GPT-2 attention (True/False/False) converts")
+        drops = {hf.attn_pdrop, hf.resid_pdrop, hf.embd_pdrop}
+        if len(drops) > 1:  # our model.dropout is all three
+            _refuse("GPT-2 attn_pdrop/resid_pdrop/embd_pdrop", f"{hf.attn_pdrop}/{hf.resid_pdrop}/{hf.embd_pdrop}",
+                    "our model has one dropout for attention, residual branches and embeddings: set the three equal "
+                    "in config.json")
         return ModelConfig(
             name="hf-gpt2", n_layers=hf.n_layer, n_heads=hf.n_head, d_model=hf.n_embd,
             ffn_hidden=hf.n_inner or 4 * hf.n_embd, vocab_size=hf.vocab_size, seq_len=hf.n_positions,
             norm="layernorm", norm_eps=hf.layer_norm_epsilon, activation="gelu", position="learned",
-            tie_embeddings=bool(hf.tie_word_embeddings), bias=True, dropout=0.0,
+            tie_embeddings=bool(hf.tie_word_embeddings), bias=True, dropout=float(drops.pop()),
         )
     if hf.model_type == "llama":
         theta = _rope_theta(hf)
@@ -85,6 +93,10 @@ def hf_config_to_model_config(hf_config) -> ModelConfig:
                     "our model has biases on all linears or none, so both must be equal")
         if hf.hidden_act != "silu":
             _refuse("Llama hidden_act", hf.hidden_act, "only silu (SwiGLU) converts")
+        if getattr(hf, "attention_dropout", 0.0):
+            _refuse("Llama attention_dropout", hf.attention_dropout, "our model.dropout also drops on the residual "
+                    "branches and embeddings, which Llama does not: set it to 0.0 in config.json (and train with "
+                    "model.dropout as you choose)")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         if head_dim * hf.num_attention_heads != hf.hidden_size:
             _refuse("Llama head_dim", head_dim, f"our heads split hidden_size={hf.hidden_size} evenly "
@@ -113,17 +125,21 @@ def _hf_config(cfg: ModelConfig, flavour: str, special: dict | None = None):
                     f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; export as llama instead")
         return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
                           n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
-                          layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                          attn_pdrop=cfg.dropout,
                           tie_word_embeddings=cfg.tie_embeddings, **special)
     if not (cfg.norm == "rmsnorm" and cfg.activation == "swiglu" and cfg.position == "rope"):
         _refuse("Llama export of norm/activation/position", f"{cfg.norm}/{cfg.activation}/{cfg.position}",
                 "Llama needs rmsnorm/swiglu/rope; export a learned-position model as gpt2")
+    if cfg.dropout:  # the weights and logits are the same; only training from the export would differ
+        print(f"convert_hf: model.dropout={cfg.dropout} is exported as Llama's attention_dropout only (Llama has no "
+              "residual or embedding dropout)", file=sys.stderr)
     return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn,
                        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
                        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                        attention_bias=cfg.bias, mlp_bias=cfg.bias, tie_word_embeddings=cfg.tie_embeddings,
-                       hidden_act="silu", **special)
+                       hidden_act="silu", attention_dropout=cfg.dropout, **special)
 
 
 # --- name tables -----------------------------------------------------------------------------------------------
@@ -293,7 +309,7 @@ def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> weights-only checkpoint")
     imp.add_argument("hf_dir")
@@ -307,7 +323,9 @@ def main(argv=None) -> None:
         if args.cmd == "import":
             path = import_hf(args.hf_dir, args.checkpoint_dir)
             shape = model_overrides(ModelConfig(**read_meta(path)["model"]))
-            print(f"wrote {path}; train from it with: python train.py checkpoint.dir={args.checkpoint_dir} {shape}")
+            run_dir = os.path.join("runs", os.path.basename(os.path.normpath(args.checkpoint_dir)))  # its own metrics
+            print(f"wrote {path}; train from it with: python train.py checkpoint.dir={args.checkpoint_dir} "
+                  f"run.dir={run_dir} {shape}")
         else:
             export_hf(args.checkpoint_path, args.hf_dir, args.flavour)
             print(f"wrote {args.hf_dir}")

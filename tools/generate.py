@@ -47,7 +47,7 @@ def generate(model, tokenizer, cfg, prompt: str, max_new_tokens: int, greedy: bo
     """(the prompt's token ids as read (1, p), `num` continuations' new token ids (num, n))."""
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-    eos = model.config.eos_token_id
+    eos = model.config.eos_token_id if model.config.eos_token_id is not None else tokenizer.eos_token_id
     if ids.shape[1] == 0:  # nothing to condition on: start from the end-of-document token, as the data does
         if eos is None:
             raise SystemExit("generate: an empty --prompt needs an end-of-document token, and none is known")
@@ -70,7 +70,7 @@ def generate(model, tokenizer, cfg, prompt: str, max_new_tokens: int, greedy: bo
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="a checkpoint root (with `latest`) or a step directory")
     ap.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
     ap.add_argument("--max-new-tokens", type=int, default=100)
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"generate: {args.checkpoint} is not a directory; give a checkpoint root or step directory")
     if args.max_new_tokens < 1 or args.num < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise SystemExit("generate: --max-new-tokens and --num must be >= 1, --temperature > 0, 0 < --top-p <= 1")
+    if args.greedy and args.num > 1:
+        raise SystemExit(f"generate: --greedy gives one continuation (the most likely), not --num {args.num}; drop one")
     model, tokenizer, cfg = load(args.checkpoint, args.tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
     _, new = generate(model, tokenizer, cfg, args.prompt, args.max_new_tokens, args.greedy, args.temperature,
                       args.top_k, args.top_p, args.num, args.seed)

@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from megatron_lite.plan.published import KORTHIKANTI_2022, NARAYANAN_2021, row

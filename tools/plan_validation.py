@@ -263,7 +263,7 @@ def markdown(rows: list[dict], bubbles: list[dict], commit: str) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="markdown table path (a .json with the rows is written beside it)")
     args = ap.parse_args(argv)

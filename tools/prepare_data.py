@@ -42,6 +42,13 @@ def _resolve(path: str) -> str:
     return path if os.path.isabs(path) or os.path.exists(path) else os.path.join(ROOT, path)
 
 
+def recorded_path(path: str) -> str:
+    """How meta.json names a tokenizer so that train.py and the tools find it from anywhere (they resolve a
+    relative path against the repo root): relative to the repo root inside it, else absolute."""
+    full = os.path.abspath(_resolve(path))
+    return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else full
+
+
 def _builder(path: str) -> str:
     stem = path[:-3] if path.endswith(".gz") else path
     ext = os.path.splitext(stem)[1]
@@ -55,6 +62,13 @@ def _supported(path: str) -> bool:
     return os.path.splitext(stem)[1] in BUILDERS
 
 
+def _prepared(directory: str) -> bool:
+    """Whether a directory is (or is being written as) this tool's output: not documents to read."""
+    name = os.path.basename(directory)
+    return name.startswith((".prepare_", ".prepare_old_")) or \
+        os.path.isfile(os.path.join(directory, "meta.json")) and os.path.isfile(os.path.join(directory, "train.bin"))
+
+
 def collect_files(inputs: list[str]) -> dict[str, list[str]]:
     """Group input files by HF `datasets` builder (text/json/parquet)."""
     groups: dict[str, list[str]] = {}
@@ -62,8 +76,15 @@ def collect_files(inputs: list[str]) -> dict[str, list[str]]:
         item = _resolve(item)
         if not os.path.exists(item):
             raise SystemExit(f"prepare_data: --input {item} does not exist")
+        if os.path.isdir(item) and all(os.path.isfile(os.path.join(item, f)) for f in ("state.json",
+                                                                                         "dataset_info.json")):
+            raise SystemExit(f"prepare_data: --input {item} is a datasets.save_to_disk directory, which is not read "
+                             "here; write it out with ds.to_json('docs.jsonl') or ds.to_parquet('docs.parquet')")
         if os.path.isdir(item):
-            found = [os.path.join(d, f) for d, _, fs in sorted(os.walk(item)) for f in sorted(fs)]
+            found = []
+            for d, dirs, fs in os.walk(item):  # prepared data (a previous --out inside the input) is skipped
+                dirs[:] = sorted(x for x in dirs if not _prepared(os.path.join(d, x)))
+                found += [os.path.join(d, f) for f in sorted(fs)]
             files = [f for f in found if _supported(f)]
             if skipped := [os.path.relpath(f, item) for f in found if not _supported(f)]:
                 print(f"prepare_data: skipping {len(skipped)} file(s) of other types in {item}: "
@@ -77,8 +98,37 @@ def collect_files(inputs: list[str]) -> dict[str, list[str]]:
     return groups
 
 
+def _innermost(err: BaseException) -> BaseException:
+    """The error at the bottom of a chain (datasets wraps the reader's own error in DatasetGenerationError)."""
+    while (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    return err
+
+
+def _load(datasets, builder: str, files: list[str], cache_dir: str):
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+
+
+def _unreadable(datasets, builder: str, files: list[str], err: Exception, cache_dir: str) -> SystemExit:
+    """One line naming the file that fails (found by reading the group's files one at a time) and why."""
+    for path in files if len(files) > 1 else []:
+        try:
+            _load(datasets, builder, [path], cache_dir)
+        except Exception as single:  # noqa: PERF203 - the error path only
+            err, files = single, [path]
+            break
+    cause = _innermost(err)
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return SystemExit(f"prepare_data: {', '.join(files[:3])} could not be read as {builder} "
+                      f"({type(cause).__name__}{': ' + first if first else ''}); check the file's format"
+                      + (" (text is read as UTF-8)" if isinstance(cause, UnicodeDecodeError) else ""))
+
+
 def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
-    """One dataset with a single "text" column, one row per document."""
+    """One dataset with a single "text" column, one row per document. Empty files are dropped from `groups`
+    (so they are not listed as sources); --text-key names the field of json/parquet records (a .txt file is one
+    document)."""
     import datasets
 
     # HF_DATASETS_OFFLINE (set above) is read when `datasets` is first imported; an in-process caller may
@@ -86,35 +136,41 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
     was_offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
     try:
         parts = []
-        for builder, files in groups.items():
+        for builder, files in list(groups.items()):
             empty = [f for f in files if os.path.getsize(f) == 0]
             if empty:
                 print(f"prepare_data: skipping {len(empty)} empty file(s): {', '.join(empty[:3])}", file=sys.stderr)
-                files = [f for f in files if f not in empty]
+                files = groups[builder] = [f for f in files if f not in empty]
                 if not files:
+                    del groups[builder]
                     continue
-            kwargs = {"sample_by": "document"} if builder == "text" else {}
             try:
-                ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+                ds = _load(datasets, builder, files, cache_dir)
             except Exception as err:  # datasets' own errors name neither the file nor the cause on one line
-                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-                raise SystemExit(f"prepare_data: {', '.join(files[:3])} could not be read as {builder} "
-                                 f"({type(err).__name__}{': ' + first if first else ''}); check the file's format")
-            if text_key not in ds.column_names:
-                raise SystemExit(f"prepare_data: --text-key {text_key} is not a field of {files[0]} "
+                raise _unreadable(datasets, builder, files, err, cache_dir) from None
+            key = "text" if builder == "text" else text_key
+            if key not in ds.column_names:
+                raise SystemExit(f"prepare_data: --text-key {key} is not a field of {files[0]} "
                                  f"(fields: {', '.join(ds.column_names)})")
-            parts.append(ds.select_columns([text_key]).rename_column(text_key, "text") if text_key != "text"
+            kind = ds.features[key]
+            if not (isinstance(kind, datasets.Value) and kind.dtype in ("string", "large_string")):
+                raise SystemExit(f"prepare_data: --text-key {key} of {', '.join(files[:3])} holds {kind}, not text; "
+                                 "give the field that holds each document's text as a string")
+            parts.append(ds.select_columns([key]).rename_column(key, "text") if key != "text"
                          else ds.select_columns(["text"]))
     finally:
         datasets.config.HF_HUB_OFFLINE = was_offline
     if not parts:
         raise SystemExit("prepare_data: every input file is empty; give files that hold documents")
     docs = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    missing = docs.data.column("text").null_count  # a record with the field null or absent
-    if missing:
-        print(f"prepare_data: skipping {missing} record(s) without a {text_key!r} field (null or missing)",
-              file=sys.stderr)
-        docs = docs.filter(lambda batch: [t is not None for t in batch["text"]], batched=True)
+    import pyarrow.compute as pc
+
+    # a record with the field null or absent (null in the column) or "" has no text: not a document
+    empty = pc.fill_null(pc.equal(pc.binary_length(docs.data.column("text")), 0), True).to_numpy(zero_copy_only=False)
+    if empty.any():
+        print(f"prepare_data: skipping {int(empty.sum())} record(s) without text in {text_key!r} (null, missing or "
+              "empty)", file=sys.stderr)
+        docs = docs.select(np.flatnonzero(~empty))
     return docs
 
 
@@ -145,9 +201,10 @@ def _swap_in(tmp: str, out: str) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", default=[DEFAULT_INPUT], help="files or directories")
-    ap.add_argument("--text-key", default="text", help="field holding the text in json/parquet records")
+    ap.add_argument("--text-key", default="text", help="field holding the text in json/parquet records (a .txt "
+                    "file is one document)")
     ap.add_argument("--tokenizer", default="assets/tokenizers/shakespeare-8k", help="local HF tokenizer dir")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
@@ -203,7 +260,8 @@ def main(argv=None) -> dict:
         train_tokens, n_train = write_split(train_ds, tmp, "train", dtype)
         val_tokens, n_val = write_split(val_ds, tmp, "val", dtype)
         meta = {
-            "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer), "eos_id": eos, "tokenizer": args.tokenizer,
+            "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer), "eos_id": eos,
+            "tokenizer": recorded_path(args.tokenizer),
             "train_tokens": train_tokens, "val_tokens": val_tokens, "n_docs_train": n_train, "n_docs_val": n_val,
             "sources": [os.path.relpath(f, ROOT) if f.startswith(ROOT + os.sep) else f
                         for fs in groups.values() for f in fs],

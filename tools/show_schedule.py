@@ -21,7 +21,7 @@ from megatron_lite.pipeline.simulate import expected_bubble, render_grid, simula
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=1, help="chunks per rank")
     p.add_argument("--m", type=int, required=True, help="micro-batches per step on each pipeline")

@@ -84,12 +84,17 @@ def train_on_documents(inputs: list[str], out_dir: str, vocab_size: int, text_ke
         if len(docs) == 0:
             raise SystemExit(f"train_tokenizer: --input {' '.join(inputs)} holds no documents")
         train_bpe(out_dir, vocab_size, (text for batch in docs.iter(batch_size=1000) for text in batch["text"]))
-    print(f"wrote {out_dir}: a byte-level BPE of {vocab_size} tokens over {len(docs)} documents; prepare data with "
-          f"it: python tools/prepare_data.py --input {' '.join(inputs)} --tokenizer {out_dir} --out <data dir>")
+    from transformers import AutoTokenizer
+
+    built = len(AutoTokenizer.from_pretrained(out_dir))
+    short = (f" (not the {vocab_size} asked for: the documents hold no more merges to learn)"
+             if built < vocab_size else "")
+    print(f"wrote {out_dir}: a byte-level BPE of {built} tokens{short} over {len(docs)} documents; prepare data "
+          f"with it: python tools/prepare_data.py --input {' '.join(inputs)} --tokenizer {out_dir} --out <data dir>")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=["8k", "gpt2"], default=None)
     ap.add_argument("--input", nargs="+", help="your documents, as tools/prepare_data.py takes them (needs --out)")
     ap.add_argument("--text-key", default="text", help="the field holding the text in .json/.jsonl/.parquet")

@@ -75,7 +75,7 @@ def best_against_default(rows: list[dict], default: tuple[int, int]) -> list[tup
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter: checks every configuration)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

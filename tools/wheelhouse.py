@@ -98,7 +98,7 @@ def source_only(specs: list[str], target: list[str], out: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="wheelhouse")
     ap.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
                     help="target interpreter, e.g. 3.12 (default: this one)")

@@ -81,7 +81,7 @@ def test_prepare_data_round_trips_documents(fmt, tmp_path, tok8k):
     lengths = [len(tok8k(d, add_special_tokens=False)["input_ids"]) + 1 for d in DOCS]  # + eos
     val_doc = np.random.default_rng(3).permutation(len(DOCS))[-1]  # the last document after the seeded shuffle
     assert meta == data.meta == {
-        "dtype": "uint16", "vocab_size": 8192, "eos_id": tok8k.eos_token_id, "tokenizer": TOK8K,
+        "dtype": "uint16", "vocab_size": 8192, "eos_id": tok8k.eos_token_id, "tokenizer": "assets/tokenizers/shakespeare-8k",
         "train_tokens": sum(lengths) - lengths[val_doc], "val_tokens": lengths[val_doc],
         "n_docs_train": 3, "n_docs_val": 1, "sources": meta["sources"]}
     assert len(meta["sources"]) == (4 if fmt == "txt" else 1)
@@ -291,11 +291,14 @@ def test_prepare_data_skips_empty_files_and_textless_records_and_names_bad_input
     src.mkdir()
     (src / "empty.jsonl").write_text("")
     (src / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
-                                            [{"text": DOCS[0]}, {"text": None}, {"title": "no text"}, {"text": DOCS[1]}]))
+                                            [{"text": DOCS[0]}, {"text": None}, {"title": "no text"}, {"text": ""},
+                                             {"text": DOCS[1]}]))
     out = tmp_path / "out"
     meta = prepare_data.main(["--input", str(src), "--tokenizer", TOK8K, "--out", str(out), "--val-fraction", "0.5"])
     assert meta["n_docs_train"] + meta["n_docs_val"] == 2  # the two records with text
     assert sorted(split_texts(out, "train", tok8k) + split_texts(out, "val", tok8k)) == sorted(DOCS[:2])
+    assert meta["sources"] == [str(src / "docs.jsonl")]  # not the empty file
+    assert meta["tokenizer"] == "assets/tokenizers/shakespeare-8k"  # inside the repo: relative to its root
     for args, message in (
             (["--input", str(src / "empty.jsonl")], r"every input file is empty"),
             (["--input", str(src), "--tokenizer", str(tmp_path / "nope")], r"--tokenizer \S+/nope is not a directory"),
@@ -308,6 +311,33 @@ def test_prepare_data_skips_empty_files_and_textless_records_and_names_bad_input
     with pytest.raises(SystemExit, match=r"^prepare_data: \S+/bad.jsonl could not be read as json \(.*\); check"):
         prepare_data.main(["--input", str(tmp_path / "bad.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o3")])
     assert not (tmp_path / "out2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_prepare_data_reads_what_it_should_and_names_what_it_cannot(tmp_path, tok8k):
+    """.txt files beside records of another --text-key; a second run whose --out is inside its --input (the first
+    run's output is not read as documents); then one line naming the file at fault: a non-UTF-8 .txt among
+    good ones (and the decoder's error), a text field that is not a string, a datasets.save_to_disk directory."""
+    src = tmp_path / "src"
+    write_docs(src, "txt", DOCS[:2])
+    (src / "more.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS[2:]))
+    for _ in range(2):
+        meta = prepare_data.main(["--input", str(src), "--text-key", "body", "--tokenizer", TOK8K,
+                                  "--out", str(src / "prepared"), "--val-fraction", "0.5"])
+        texts = split_texts(src / "prepared", "train", tok8k) + split_texts(src / "prepared", "val", tok8k)
+        assert sorted(texts) == sorted(DOCS) and len(meta["sources"]) == 3, meta["sources"]
+    (src / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(SystemExit, match=r"^prepare_data: \S+/src/latin1.txt could not be read as text "
+                                         r"\(UnicodeDecodeError: 'utf-8' codec can't decode .*\(text is read as UTF-8\)$"):
+        prepare_data.main(["--input", str(src), "--tokenizer", TOK8K, "--out", str(tmp_path / "o1")])
+    (tmp_path / "ints.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
+    with pytest.raises(SystemExit, match=r"^prepare_data: --text-key text of \S+/ints.jsonl holds Value\('int64'\)"):
+        prepare_data.main(["--input", str(tmp_path / "ints.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o2")])
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for name in ("state.json", "dataset_info.json", "data-00000-of-00001.arrow"):
+        (saved / name).write_text("{}")
+    with pytest.raises(SystemExit, match=r"^prepare_data: --input \S+/saved is a datasets.save_to_disk directory"):
+        prepare_data.main(["--input", str(saved), "--tokenizer", TOK8K, "--out", str(tmp_path / "o3")])
 
 
 def test_train_tokenizer_on_your_documents_then_prepare_with_it(tmp_path):

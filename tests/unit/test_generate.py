@@ -53,3 +53,13 @@ def test_bad_input_is_one_line(tmp_path):
         main([path])  # an import-like weights-only checkpoint records no data
     with pytest.raises(SystemExit, match=r"--temperature > 0"):
         main([path, "--temperature", "0"])
+    with pytest.raises(SystemExit, match=r"^generate: --greedy gives one continuation \(the most likely\), not --num 2"):
+        main([path, "--greedy", "--num", "2", "--tokenizer", TOKENIZER])
+
+
+def test_an_empty_prompt_starts_from_the_tokenizers_end_of_document(tmp_path):
+    """A weights-only checkpoint records no end-of-document id; the tokenizer given knows it."""
+    _, path = checkpoint(tmp_path, "tiny")
+    model, tokenizer, cfg = load(path, TOKENIZER)
+    prompt, new = generate(model, tokenizer, cfg, "", 4, greedy=True)
+    assert prompt.tolist() == [[tokenizer.eos_token_id]] and new.shape == (1, 4)

@@ -168,6 +168,7 @@ def test_a_trained_checkpoints_export_takes_its_datas_tokenizer(tmp_path):
                           "original_max_position_embeddings": 64, "rope_theta": 5e5}}, "rope_type=llama3"),
     ({"hidden_act": "gelu"}, "hidden_act=gelu"),
     ({"head_dim": 32}, "head_dim=32"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),  # ours would also drop on the residual branches
 ])
 def test_unsupported_llamas_are_refused_in_one_line(kw, match):
     cfg = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100, **kw)
@@ -181,6 +182,17 @@ def test_rope_theta_is_read_from_transformers_4_and_5_layouts():
     assert hf_config_to_model_config(v5).rope_theta == 123.0
     v4 = LlamaConfig.from_dict({"rope_theta": 321.0, "rope_scaling": None})  # a 4.x config.json
     assert hf_config_to_model_config(v4).rope_theta == 321.0
+
+
+def test_dropout_goes_both_ways():
+    """GPT-2's three dropouts are our one model.dropout (transformers' default 0.1, which the import dropped)."""
+    assert hf_config_to_model_config(GPT2Config()).dropout == 0.1
+    with pytest.raises(ConversionError, match=r"attn_pdrop/resid_pdrop/embd_pdrop=0.1/0.2/0.1 .* set the three equal"):
+        hf_config_to_model_config(GPT2Config(resid_pdrop=0.2))
+    cfg, sd = hf_to_ours(gpt2().state_dict(), gpt2().config)
+    cfg.dropout = 0.05
+    hf_cfg, _ = ours_to_hf(cfg, sd)
+    assert (hf_cfg.attn_pdrop, hf_cfg.resid_pdrop, hf_cfg.embd_pdrop) == (0.05, 0.05, 0.05)
 
 
 def test_unsupported_gpt2s_and_exports_are_refused():
