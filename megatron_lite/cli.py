@@ -7,6 +7,7 @@ We use Hydra's compose API rather than `@hydra.main` so that a bad override can 
 from __future__ import annotations
 
 import atexit
+import difflib
 import os
 import sys
 import traceback
@@ -41,11 +42,29 @@ def _explain(override: str, err: Exception) -> str:
         return f"{key}={value} adds a key the config already has; write it without the +: {key.lstrip('+')}={value}"
     if key.lstrip("+~") == "model" and "model" in first.lower():
         return f"model={value} is not a known preset; use one of {', '.join(MODEL_PRESETS)}"
+    schema = OmegaConf.structured(Config(model=ModelConfig()))
     if "not in" in first or "Could not override" in first or "Key '" in first:
-        group = key.split(".")[0]
-        return (f"{key}={value} is not a config key ({first}); "
-                f"see README 'Configuration' for the keys of `{group}`")
+        keys = _leaf_keys(OmegaConf.to_container(schema, resolve=False))
+        close = difflib.get_close_matches(key.lstrip("+~"), keys, n=1, cutoff=0.8)
+        group = key.lstrip("+~").split(".")[0]
+        fix = (f"did you mean {close[0]}=...?" if close else
+               f"see README 'Configuration' for the keys of `{group}`" if group in schema else
+               f"the groups are {', '.join(k for k in schema if OmegaConf.is_dict(schema[k]))} and seed")
+        return f"{key}={value} is not a config key ({first}); {fix}"
+    default = OmegaConf.select(schema, key.lstrip("+~"), default=_ABSENT, throw_on_missing=False)
+    if default is not _ABSENT and default is not None and not OmegaConf.is_config(default):
+        from megatron_lite.config import override_value
+
+        return f"{key}={value} is invalid ({first}); give a value of its type, e.g. {key}={override_value(default)}"
     return f"{key}={value} is invalid ({first}); see README 'Configuration'"
+
+
+def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
+    """Every overridable key of the schema, dotted."""
+    out = []
+    for k, v in tree.items():
+        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

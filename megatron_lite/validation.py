@@ -246,8 +246,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.compile and cfg.zero.stage == 3:
         _fail("train.compile", True, "does not work with zero.stage=3 (ZeRO-3 gathers and frees parameters in "
               "module hooks that a compiled block would trace through)", "use zero.stage=1 or 2, or train.compile=false")
-    if t.grad_clip < 0:
-        _fail("train.grad_clip", t.grad_clip, "must be >= 0", "use 1.0, or 0 to disable clipping")
+    if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):  # nan compared false: clipping silently off
+        _fail("train.grad_clip", t.grad_clip, "must be a finite number >= 0", "use 1.0, or 0 to disable clipping")
     if t.eval_interval < 0 or t.eval_iters <= 0:
         key, val = ("train.eval_interval", t.eval_interval) if t.eval_interval < 0 else ("train.eval_iters", t.eval_iters)
         _fail(key, val, "is out of range", "eval_interval >= 0 (0 = never), eval_iters >= 1")
@@ -266,16 +266,19 @@ def validate(cfg: Config, world_size: int) -> None:
     # --- optimizer ---
     if not (o.lr > 0 and math.isfinite(o.lr)):
         _fail("optim.lr", o.lr, "must be a positive number", "use e.g. 3e-4")
-    if o.min_lr < 0 or o.min_lr > o.lr:
+    if not 0 <= o.min_lr <= o.lr:  # nan too (an lr of nan after warmup)
         _fail("optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]", "use e.g. optim.lr / 10")
     if o.warmup_steps < 0:
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0", "use e.g. 1% of train.steps")
     _choice("optim.decay", o.decay, ("cosine", "linear", "constant"))
-    if o.weight_decay < 0:
-        _fail("optim.weight_decay", o.weight_decay, "must be >= 0", "use e.g. 0.1")
+    if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):
+        _fail("optim.weight_decay", o.weight_decay, "must be a finite number >= 0", "use e.g. 0.1, or 0 for none")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         _fail("optim.betas", list(o.betas), "must be two numbers in [0, 1)", "use [0.9,0.95]")
     _positive("optim.eps", o.eps, "1e-8")
+
+    if not 0 <= cfg.seed < 2**63:  # numpy's generators refuse a negative seed, torch's one past 64 bits
+        _fail("seed", cfg.seed, "must be in [0, 2**63)", "use e.g. seed=1234")
 
     # --- data, checkpoints, logging ---
     _check_data(cfg)
@@ -301,6 +304,9 @@ def validate(cfg: Config, world_size: int) -> None:
 def _check_writable(key: str, path: str) -> None:
     """A directory the run will write (it may not exist yet): not a file, and its nearest existing ancestor
     writable, so that a read-only mount is said now, not at the first save after hours of training."""
+    if not path:  # os.makedirs("") fails: at start-up for run.dir, at the first save for checkpoint.dir
+        _fail(key, "''", "is empty", f"give a directory, e.g. {key}=runs/mine" + ("/checkpoints" if key ==
+              "checkpoint.dir" else ""))
     if os.path.exists(path) and not os.path.isdir(path):
         _fail(key, path, "is a file, not a directory", f"use another {key}")
     existing = os.path.abspath(path)

@@ -81,10 +81,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed)")
     ap.add_argument("--out", default=None, help="write the JSON record here")
     args = ap.parse_args(argv)
+    if args.saves < 1:
+        ap.error(f"--saves {args.saves} must be >= 1")
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_object(compose_config([f"model={args.model}", "model.seq_len=128", "train.micro_batch_size=1",
-                                              "train.global_batch_size=1", "logging.wandb.mode=disabled"]))
+    from megatron_lite.errors import ConfigError
+
+    try:
+        cfg = OmegaConf.to_object(compose_config([f"model={args.model}", "model.seq_len=128",
+                                                  "train.micro_batch_size=1", "train.global_batch_size=1",
+                                                  "logging.wandb.mode=disabled"]))
+    except ConfigError as err:
+        ap.error(str(err))
     init_distributed()
     ctx = ParallelContext.build()
     engine = Engine(cfg, build_model(cfg, ctx), ctx)

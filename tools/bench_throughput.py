@@ -83,6 +83,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None, help="append a JSON record to this file")
     args = ap.parse_args(argv)
+    if min(args.micro_batch, args.steps, args.blocks) < 1 or args.warmup < 0 or \
+            (args.seq_len is not None and args.seq_len < 1):
+        ap.error("--micro-batch, --steps, --blocks and --seq-len must be >= 1, --warmup >= 0")
 
     overrides = [f"model={args.model}", f"train.micro_batch_size={args.micro_batch}",
                  f"train.global_batch_size={args.micro_batch}", f"train.precision={args.precision}",
@@ -91,7 +94,14 @@ def main(argv=None) -> dict:
         overrides.append(f"model.seq_len={args.seq_len}")
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.to_object(compose_config(overrides))
+    from megatron_lite.errors import ConfigError
+    from megatron_lite.validation import validate
+
+    try:
+        cfg = OmegaConf.to_object(compose_config(overrides))
+        validate(cfg, 1)  # the model shape and batch, before any process group
+    except ConfigError as err:
+        ap.error(str(err))
     init_distributed()
     ctx = ParallelContext.build()
     device = ctx.device

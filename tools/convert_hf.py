@@ -327,6 +327,8 @@ def main(argv=None) -> None:
             print(f"wrote {path}; train from it with: python train.py checkpoint.dir={args.checkpoint_dir} "
                   f"run.dir={run_dir} {shape}")
         else:
+            if os.path.exists(args.hf_dir) and not os.path.isdir(args.hf_dir):  # transformers only warns, writes nothing
+                sys.exit(f"convert_hf: {args.hf_dir} is a file; give a directory to write the HF model to")
             export_hf(args.checkpoint_path, args.hf_dir, args.flavour)
             print(f"wrote {args.hf_dir}")
     except (ValueError, FileNotFoundError) as err:  # ConversionError, unsupported checkpoint layouts

@@ -84,10 +84,22 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not os.path.isdir(args.checkpoint):
         raise SystemExit(f"generate: {args.checkpoint} is not a directory; give a checkpoint root or step directory")
-    if args.max_new_tokens < 1 or args.num < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
-        raise SystemExit("generate: --max-new-tokens and --num must be >= 1, --temperature > 0, 0 < --top-p <= 1")
+    if args.max_new_tokens < 1 or args.num < 1 or not 0 < args.temperature < float("inf") or args.top_k < 0 \
+            or not 0 < args.top_p <= 1:
+        raise SystemExit("generate: --max-new-tokens and --num must be >= 1, --temperature > 0 and finite, "
+                         "--top-k >= 0 (0: no top-k cut), 0 < --top-p <= 1")
     if args.greedy and args.num > 1:
         raise SystemExit(f"generate: --greedy gives one continuation (the most likely), not --num {args.num}; drop one")
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        raise SystemExit(f"generate: --tokenizer {args.tokenizer} is not a directory; give a local HF tokenizer "
+                         "directory, or leave it out to use the one the checkpoint's data was made with")
+    try:
+        step = step_dir(args.checkpoint)
+    except FileNotFoundError as err:
+        raise SystemExit(f"generate: {err}; give a checkpoint root or step directory") from None
+    if not os.path.isfile(os.path.join(step, "meta.json")):
+        raise SystemExit(f"generate: {args.checkpoint} is not a checkpoint (no `latest`, no meta.json); give a "
+                         "checkpoint root (e.g. runs/default/checkpoints) or one of its step_<N> directories")
     model, tokenizer, cfg = load(args.checkpoint, args.tokenizer, "cuda" if torch.cuda.is_available() else "cpu")
     _, new = generate(model, tokenizer, cfg, args.prompt, args.max_new_tokens, args.greedy, args.temperature,
                       args.top_k, args.top_p, args.num, args.seed)

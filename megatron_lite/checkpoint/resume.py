@@ -60,6 +60,18 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
     resume=auto falls back past unsound checkpoints with a warning (checkpoint/store.py); an explicit path
     does not fall back. Raises RunError (one line) when checkpoints exist and none is sound."""
     if resume == "never":
+        # A fresh run's saves and pruning would otherwise delete the committed checkpoints of the run before it
+        # (prune keeps the newest `keep` of every step_* up to the one just committed), and a restart with
+        # resume=auto could pick one of those. Set them aside (renamed, never deleted) before the first save.
+        if ctx.is_rank0:
+            old = store.complete_steps(root)
+            moved = [store.set_aside(p, "before_resume_never") for p in old]
+            if os.path.isfile(os.path.join(root, store.LATEST)):
+                os.remove(os.path.join(root, store.LATEST))
+            if moved:
+                warn(f"checkpoint.resume=never: the {len(moved)} committed checkpoint(s) already in checkpoint.dir="
+                     f"{root} are kept, renamed: {', '.join(map(os.path.basename, moved))}")
+        dist.barrier()
         return None
     if resume != "auto":
         problem = _agreed_problem(resume, ctx)

@@ -253,10 +253,15 @@ def clear_for_write(path: str) -> str | None:
     if not is_complete(path):
         shutil.rmtree(path)
         return None
-    aside = f"{path}.corrupt.{int(time.time())}"
+    return set_aside(path, "corrupt")
+
+
+def set_aside(path: str, label: str) -> str:
+    """Rename a committed step directory to `<path>.<label>.<time>` (no longer a resume candidate, nor pruned)."""
+    aside = f"{path}.{label}.{int(time.time())}"
     n = 1
     while os.path.exists(aside):  # set aside twice within a second: never onto the one set aside before
-        aside, n = f"{path}.corrupt.{int(time.time())}.{n}", n + 1
+        aside, n = f"{path}.{label}.{int(time.time())}.{n}", n + 1
     os.replace(path, aside)
     return aside
 

@@ -172,3 +172,19 @@ def test_an_evaluation_larger_than_the_validation_split_is_said(tmp_path):
                 "checkpoint.interval=0", "logging.wandb.mode=disabled")
     assert ("warning: an evaluation reads train.eval_iters x train.global_batch_size = 400 validation samples, more "
             "than the validation split has (data/shakespeare-8k holds 360 for its 400)") in out.stdout, out.stdout
+
+
+def test_resume_never_keeps_the_checkpoints_already_there(tmp_path):
+    """checkpoint.resume=never into a checkpoint.dir that holds an earlier run's checkpoints: the new run's pruning
+    (keep=1) deleted them without a word until 2026-11-29 (found by trying it from outside), and a later
+    resume=auto could have picked one. They are set aside (renamed step_N.before_resume_never.<time>) and said."""
+    ck = f"{tmp_path}/ck"
+    run_configs(1, [
+        overrides(tmp_path, "first", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={ck}"),
+        overrides(tmp_path, "second", "train.steps=3", "checkpoint.interval=3", "checkpoint.keep=1",
+                  f"checkpoint.dir={ck}")], tmp_path)
+    names = sorted(os.listdir(ck))
+    aside = [n for n in names if n.startswith(f"{step_name(2)}.before_resume_never.")]
+    assert len(aside) == 1 and step_name(3) in names and step_name(2) not in names, names
+    assert read_meta(os.path.join(ck, aside[0]))["step"] == 2
+    assert latest_checkpoint(ck) == os.path.join(ck, step_name(3))

@@ -109,6 +109,17 @@ BAD = [
     (["model.init_std=-1"], 1, "model.init_std=-1.0 must be a positive number"),
     (["model.norm_eps=-1"], 1, "model.norm_eps=-1.0 must be a positive number"),  # before: trained on NaN
     (["model.rope_theta=0"], 1, "model.rope_theta=0.0 must be a positive number"),
+    # Found by a sweep from outside (2026-11-29): each was a traceback after the process group, or ran wrongly.
+    (["seed=-1"], 1, "seed=-1 must be in [0, 2**63)"),  # numpy's sampler refused it at step 1
+    (["seed=99999999999999999999"], 1, "must be in [0, 2**63)"),  # torch.manual_seed overflowed
+    (["optim.weight_decay=nan"], 1, "optim.weight_decay=nan must be a finite number >= 0"),
+    (["optim.min_lr=nan"], 1, "optim.min_lr=nan must be in [0, optim.lr="),  # trained on an lr of nan
+    (["train.grad_clip=nan"], 1, "train.grad_clip=nan must be a finite number >= 0"),  # clipping silently off
+    (["checkpoint.dir=''"], 1, "checkpoint.dir='' is empty"),  # a traceback at the first save
+    (["run.dir=''"], 1, "run.dir='' is empty"),
+    (["train.stpes=3"], 1, "did you mean train.steps=...?"),
+    (["nosuch=1"], 1, "the groups are model,"),
+    (["model.n_layers=4.5"], 1, "give a value of its type, e.g. model.n_layers="),
 ]
 
 

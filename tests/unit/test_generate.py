@@ -55,6 +55,13 @@ def test_bad_input_is_one_line(tmp_path):
         main([path, "--temperature", "0"])
     with pytest.raises(SystemExit, match=r"^generate: --greedy gives one continuation \(the most likely\), not --num 2"):
         main([path, "--greedy", "--num", "2", "--tokenizer", TOKENIZER])
+    # Found from outside (2026-11-29): transformers' traceback, a FileNotFoundError, 82 s of hub retries
+    with pytest.raises(SystemExit, match=r"--top-k >= 0"):
+        main([path, "--top-k", "-1"])
+    with pytest.raises(SystemExit, match=r"^generate: \S+ is not a checkpoint \(no `latest`, no meta.json\)"):
+        main([str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^generate: --tokenizer nosuch is not a directory"):
+        main([path, "--tokenizer", "nosuch"])
 
 
 def test_an_empty_prompt_starts_from_the_tokenizers_end_of_document(tmp_path):
