@@ -96,11 +96,24 @@ def load(overrides: list[str], world_size: int | None = None) -> Config:
     return checked(compose_config(overrides), world_size)
 
 
+def env_world_size() -> int:
+    """WORLD_SIZE as torchrun/Slurm set it (1 for `python train.py`); ConfigError when it is not a rank count."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(value)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={value} is not a number of ranks (an integer >= 1); unset it for one process, "
+                          "or export WORLD_SIZE=N to check a layout for N ranks")
+    return world
+
+
 def checked(composed: DictConfig, world_size: int | None = None) -> Config:
     """A composed config as the typed Config, checked (load's second half)."""
     cfg = OmegaConf.to_object(composed)
     cfg.optim.betas = tuple(cfg.optim.betas)
-    check(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
+    check(cfg, env_world_size() if world_size is None else world_size)
     return cfg
 
 
@@ -110,7 +123,7 @@ def _check(cfg: Config, json_path: str | None) -> int:
     from megatron_lite.plan.report import check_line, does_not_fit, write_json
     from megatron_lite.plan.search import fixes
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_world_size()
     c = cfg.cluster
     if c.nodes is not None and world > c.nodes * c.gpus_per_node:
         return _one_line(f"config error: cluster.nodes={c.nodes} holds {c.nodes * c.gpus_per_node} GPUs "
@@ -139,9 +152,11 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
 
     cfg = OmegaConf.to_object(compose_config(overrides))
     keys = [o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o]
-    for key in keys:
+    for override in overrides:
+        key, _, value = override.partition("=")
+        key = key.lstrip("+")
         if key in UNSEARCHED:
-            raise ConfigError(f"{key} is not among what --plan searches ({UNSEARCHED[key]}); leave it out, and "
+            raise ConfigError(f"{key}={value} is not among what --plan searches ({UNSEARCHED[key]}); leave it out, and "
                               f"`train.py --check` a layout with it")
     # A searched knob given on the command line pins it: only layouts with that value are ranked.
     pinned = tuple((PINNABLE[key], OmegaConf.select(OmegaConf.structured(cfg), key)) for key in PINNABLE

@@ -92,7 +92,7 @@ def predict(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str
     tokens = layout.global_batch_size * model.seq_len
     flops, _ = step_flops(model, tokens, layout.recompute, layout.recompute_every)
     seconds = step.total_s
-    peak = cluster.gpu.bf16_flops * (1 if precision == "bf16" else 0.5)
+    peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops  # as metrics.peak_flops
     per_gpu = flops / seconds / layout.world_size
     return Prediction(layout=layout, ranks=ranks, usable_bytes=cluster.usable_bytes, step=step,
                       tokens_per_s=tokens / seconds, tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / peak)

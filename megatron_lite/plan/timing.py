@@ -1,8 +1,8 @@
 """Predicted step time of a layout on a cluster: compute, memory-bound work, communication, bubble, optimizer.
 
 Assumptions, each a choice a reader can disagree with:
-  - GEMMs and the attention core run at `cluster.achievable` of the bf16 dense peak (fp32: half of it, the TF32
-    rate). FLOPs are those of metrics.py (causal attention at half, as flash attention skips masked blocks);
+  - GEMMs and the attention core run at `cluster.achievable` of the bf16 dense peak (fp32: of the plain fp32
+    CUDA-core peak, since the trainer leaves TF32 off, torch's default). FLOPs are those of metrics.py (causal attention at half, as flash attention skips masked blocks);
     recomputation adds what it reruns (metrics.recompute_flops_per_token's rule).
   - Element-wise work (norms, residual adds with dropout, GeLU/SwiGLU, RoPE, the cross entropy over the
     logits) is bound by HBM bandwidth: each pass reads and writes its tensors once; a backward pass moves twice
@@ -121,7 +121,7 @@ class StepModel:
                  system: System = OURS, dropout: bool | None = None):
         self.cfg, self.lay, self.cluster, self.system = cfg, layout, cluster, system
         self.act = 2 if precision == "bf16" else 4
-        peak = cluster.gpu.bf16_flops * (1 if precision == "bf16" else 0.5)
+        peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops
         self.flops_per_s = peak * cluster.achievable
         self.hbm = cluster.gpu.hbm_GBps * 1e9
         lay = layout

@@ -137,6 +137,27 @@ def test_check_prints_one_line_and_refuses_a_layout_that_does_not_fit(tmp_path):
     assert "GiB more than the" in bad.stderr and "fastest fix: " in bad.stderr
 
 
+def test_check_refuses_a_bad_world_size_in_one_line():
+    """WORLD_SIZE=0 was a ZeroDivisionError, abc a ValueError traceback, -1 blamed train.profile_ranks."""
+    for world in ("0", "abc", "-1"):
+        bad = _train_py("--check", "model=gpt-1.3b", world=world)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, (world, bad.stderr[-800:])
+        assert f"WORLD_SIZE={world} is not a number of ranks" in bad.stderr, bad.stderr
+
+
+def test_fp32_is_priced_at_the_fp32_peak_the_trainer_runs_at():
+    """The trainer leaves TF32 off (torch's default), so fp32 matmuls run at the CUDA-core peak, 19.5 TFLOP/s on an
+    A100, and its MFU is taken against that (metrics.peak_flops). The planner priced fp32 at half the bf16 peak
+    (the TF32 rate): gpt-1.3b at 16 x 2048 tokens in 3.0 s a step, where 2.8e14 FLOPs need 14 s at 100% of the
+    fp32 peak (found from outside)."""
+    cfg = load(["model=gpt-1.3b", "train.precision=fp32", "cluster.gpu=a100-40gb", "train.micro_batch_size=1"],
+               world_size=1)
+    prediction = predict(cfg.model, Layout.from_config(cfg, 1), cluster_from_config(cfg.cluster, 1), "fp32")
+    flops = prediction.tflops_per_gpu * 1e12 * prediction.step.total_s
+    assert prediction.step.total_s > flops / 19.5e12, prediction.step.total_s
+    assert 0 < prediction.mfu <= cfg.cluster.achievable + 1e-9, prediction.mfu
+
+
 def test_plan_ranks_layouts_and_writes_json(tmp_path):
     out = _train_py("--plan", "model=gpt2-350m", "cluster.gpu=a100-40gb", "cluster.nodes=1",
                     "train.global_batch_size=64", "--json", f"{tmp_path}/plan.json")
@@ -200,7 +221,7 @@ def test_plan_pins_the_knobs_given_and_says_why_nothing_is_found(capsys):
     assert rows and all(r[1] == "2" and r[7] == "3" for r in rows), rows  # tp and zero columns
     assert main(["--plan", "model=llama-7b", "parallel.schedule=gpipe"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "config error: parallel.schedule is not among what --plan searches (the schedule auto picks); leave it "
+        "config error: parallel.schedule=gpipe is not among what --plan searches (the schedule auto picks); leave it "
         "out, and `train.py --check` a layout with it")
     assert main(["--plan", "model=llama-7b", "cluster.nodes=1", "parallel.pp=3"]) == 2
     assert capsys.readouterr().err.strip() == (
