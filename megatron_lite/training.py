@@ -250,7 +250,9 @@ class Trainer:
         self.model_flops, self.hw_flops = step_flops(
             cfg.model, self.tokens_per_step, cfg.train.recompute, cfg.train.recompute_every,
             fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
-        self.restarts = restart_count()
+        # Each torchrun agent counts its own restarts: with several nodes, one restarted for a membership change
+        # (not counted) and one whose worker failed differ, and rank 0's alone said 0 after a real restart.
+        self.restarts = _max_over_ranks(restart_count(), ctx)
         self._announce(resume_path, meta, dtype, peak_source)
         if ctx.is_rank0:  # (the only logger that writes; the commit takes a git call)
             self.logger.describe({

@@ -56,14 +56,61 @@ def init_distributed(timeout_s: int = 600) -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun serves one store for the whole job, across restarts, and torch 2.13 does not prefix it per
         # attempt: a restarted worker group found the dead group's addresses under the same keys, and gloo's
-        # connectFullMesh failed with "Connection refused" (or hung). Each attempt gets its own key space.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"megatron_lite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        # connectFullMesh failed with "Connection refused" (or hung). Each worker group gets its own key space.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+        def client() -> dist.TCPStore:
+            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                 is_master=False, timeout=timeout)
+
+        store = client()
+        prefix, formed = _group_prefix(store, client, rank)
+        try:
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                                    timeout=timeout)
+            dist.barrier()  # every rank holds its token now (NCCL's init may return before the others join)
+        finally:
+            if formed is not None:
+                formed.set()
     else:
         dist.init_process_group(backend, timeout=timeout)
+
+
+_HELLO, _TOKEN = "megatron_lite/hello", "megatron_lite/token/"
+
+
+def _group_prefix(store, client, rank: int):
+    """A key-space prefix that every rank of this worker group shares and no earlier group used, agreed over the
+    store torchrun's agents keep for the whole job. Not TORCHELASTIC_RESTART_COUNT: each agent counts its own
+    restarts, and under a multi-node rendezvous an agent restarted for a membership change (its workers alive
+    when a failed node's agent re-joined) keeps its count while the failed node's raises it, so one group's
+    ranks used two prefixes and hung in init until dist.timeout_s, at every later try too (found from outside:
+    --nnodes 1:2, one rank per agent, the second agent's rank SIGKILLed). Instead each rank but 0 queues a fresh
+    nonce and waits for the token filed under it; rank 0 makes a fresh token and, from a thread with its own
+    connection until its group is formed, files it under every nonce it pops (a dead group's nonces are answered
+    too, harmlessly: nobody waits for them). Returns (prefix, the event that ends rank 0's thread, or None)."""
+    import threading
+    import uuid
+
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.queue_push(_HELLO, nonce)
+        return store.get(_TOKEN + nonce).decode(), None  # waits up to the store's timeout
+    token = f"megatron_lite/group_{uuid.uuid4().hex}"
+    formed = threading.Event()
+
+    def answer() -> None:
+        own = client()
+        while not formed.is_set():
+            try:
+                nonce = own.queue_pop(_HELLO, block=False).decode()
+            except dist.QueueEmptyError:
+                formed.wait(0.02)
+                continue
+            own.set(_TOKEN + nonce, token)
+
+    threading.Thread(target=answer, name="megatron_lite-group-prefix", daemon=True).start()
+    return token, formed
 
 
 def set_collective_timeout(seconds: int) -> None:

@@ -172,3 +172,36 @@ def test_an_added_node_resumes_on_more_ranks(tmp_path, straight_two_ranks):
     assert [r["step"] for r in got] == list(range(1, 19)), [r["step"] for r in got]  # every step once
     assert stop < 18
     follows(got, straight_two_ranks)
+
+
+GROUP_WORKER = """
+import torch, torch.distributed as dist
+from megatron_lite.parallel.context import init_distributed
+init_distributed(timeout_s=20)
+total = torch.ones(1)
+dist.all_reduce(total)
+print(int(total.item()), flush=True)
+"""
+
+
+def test_a_worker_group_whose_agents_count_restarts_differently_still_forms(tmp_path):
+    """Two torchrun agents (one rank each) keep their own TORCHELASTIC_RESTART_COUNT: after a failure one may
+    restart for a membership change without raising its count. Under one job-wide store (the agent store, here
+    a TCPStore of the test's) a group whose ranks had counts 0 and 1 used two key prefixes while the prefix was
+    the count, and hung in init (found from outside with --nnodes 1:2). A first group forms and ends, leaving its
+    keys; then the group with counts 0 and 1 forms and all-reduces."""
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agents' store
+    for counts in ((0, 0), (0, 1)):
+        procs = [subprocess.Popen([sys.executable, "-c", GROUP_WORKER], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE,
+                                  env=rank_env(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                                               TORCHELASTIC_RESTART_COUNT=str(count)))
+                 for rank, count in enumerate(counts)]
+        outs = [proc.communicate(timeout=120) for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0], (counts, [err[-1500:] for _, err in outs])
+        assert [out.split() for out, _ in outs] == [["2"], ["2"]], (counts, outs)
+    del store
