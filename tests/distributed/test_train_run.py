@@ -179,10 +179,11 @@ def test_resume_never_keeps_the_checkpoints_already_there(tmp_path):
     (keep=1) deleted them without a word until 2026-11-29 (found by trying it from outside), and a later
     resume=auto could have picked one. They are set aside (renamed step_N.before_resume_never.<time>) and said."""
     ck = f"{tmp_path}/ck"
-    run_configs(1, [
-        overrides(tmp_path, "first", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={ck}"),
-        overrides(tmp_path, "second", "train.steps=3", "checkpoint.interval=3", "checkpoint.keep=1",
-                  f"checkpoint.dir={ck}")], tmp_path)
+    # two calls: one call's one-rank runs train at once, in the two halves of the pool (launcher.run_configs)
+    run_configs(1, [overrides(tmp_path, "first", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={ck}")],
+                tmp_path)
+    run_configs(1, [overrides(tmp_path, "second", "train.steps=3", "checkpoint.interval=3", "checkpoint.keep=1",
+                              f"checkpoint.dir={ck}")], tmp_path)
     names = sorted(os.listdir(ck))
     aside = [n for n in names if n.startswith(f"{step_name(2)}.before_resume_never.")]
     assert len(aside) == 1 and step_name(3) in names and step_name(2) not in names, names
