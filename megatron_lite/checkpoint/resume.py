@@ -171,40 +171,27 @@ def check_resume(cfg, world_size: int) -> None:
                               "resumable checkpoints, or start afresh (checkpoint.resume=never)")
         saved = Layout.of_checkpoint(meta)
         layout = Layout.of_run(cfg, world_size)
-        saved_pipe, pipe, saved_stage = saved.pipeline, layout.pipeline, saved.zero_stage
-        stages = {saved_stage, cfg.zero.stage}
-        # Another layout or stage loads through the universal form: DeepSpeed's loader for ZeRO 1-3, ours for
-        # ZeRO-0 (checkpoint/sharded.py). Pipeline and TP resharding among ZeRO 0-2 (ZeRO-3 keeps its tp and
-        # runs no pipeline); ZeRO-0 converts to and from 1 and 2.
-        reshards = stages <= {0, 1, 2}
-        if (saved_pipe, saved.v_shape) != (pipe, layout.v_shape) and not reshards:
-            raise ConfigError(f"parallel.pp={cfg.parallel.pp} (vpp {pipe[1]}) cannot resume {path}, written at "
-                              f"parallel.pp={saved_pipe[0]} (vpp {saved_pipe[1]}, layers {list(saved_pipe[2])}) with "
-                              f"zero.stage={saved_stage}; pipeline resharding works among ZeRO stages 0, 1 and 2: "
-                              f"use the saved layout, or zero.stage={min(saved_stage, 2)}")
-        saved_tp = saved.tp
-        if saved_tp != cfg.parallel.tp and not reshards:
-            raise ConfigError(f"parallel.tp={cfg.parallel.tp} cannot resume {path}, written at parallel.tp={saved_tp} "
-                              f"with zero.stage={saved_stage}; TP resharding works among ZeRO stages 0, 1 and 2: "
-                              f"use parallel.tp={saved_tp}, or zero.stage={min(saved_stage, 2)}")
-        if 3 in stages and len(stages) == 2:  # DeepSpeed's universal loader looks for the other stage's file names
-            use = "zero.stage=3 (at any DP size)" if saved_stage == 3 else \
-                f"zero.stage={saved_stage}" + (", 1 or 2 (ZeRO-0 converts to and from 1 and 2)" if saved_stage == 0 else
-                                               " or another of 0, 1 and 2")
-            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage={saved_stage}: "
-                              f"checkpoints move between ZeRO stages 0, 1 and 2, and ZeRO-3's only to ZeRO-3; use {use}")
+        saved_stage = saved.zero_stage
+        # Another layout or stage loads through the universal form (checkpoint/sharded.py): ZeRO-0 and ZeRO-3 jobs
+        # cut its full tensors themselves (any tp, pipeline, DP size or stage), ZeRO 1-2 jobs through DeepSpeed's
+        # loader, which reads ZeRO 1-2's model-states files.
+        if cfg.zero.stage in (1, 2) and saved_stage == 3:
+            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage=3: DeepSpeed's "
+                              "ZeRO 1-2 loader reads files a ZeRO-3 checkpoint does not have; resume it at zero.stage=3 "
+                              "or 0 (any layout), whose checkpoints then load at ZeRO 1-2")
         # DeepSpeed's universal loader serves ZeRO 1-2 (ZeRO-0 loads through ours, which cuts as the model builds).
         deepspeed_loads = cfg.zero.stage in (1, 2) and layout.needs_conversion(saved)
         tp = cfg.parallel.tp
-        if deepspeed_loads and tp > 1 and saved_tp == 1 and not meta.get("tp_split_patterns"):
+        if deepspeed_loads and tp > 1 and saved.tp == 1 and not meta.get("tp_split_patterns"):
             raise ConfigError(f"parallel.tp={tp} cannot load {path} at zero.stage={cfg.zero.stage}: it was written at "
                               "parallel.tp=1 before checkpoints recorded how each weight splits over TP ranks, and "
                               "DeepSpeed's loader would cut its fused and row-parallel weights wrongly; resume it at "
                               "zero.stage=0 (our loader cuts it exactly), whose checkpoints then load anywhere")
         saved_precision = saved.precision  # resolved (auto -> bf16/fp32); absent before the bf16 fixes
         precision = resolve_precision(cfg)
-        through_zero0 = 0 in stages and len(stages) == 2  # every state is a full fp32 tensor on the way
-        if (saved_precision is not None and not through_zero0
+        # Our loaders read every state as a full fp32 tensor; DeepSpeed's keep bf16 and fp32 ZeRO states apart.
+        ours_loads = cfg.zero.stage == 0 or (cfg.zero.stage == 3 and layout.needs_conversion(saved)) or saved_stage == 0
+        if (saved_precision is not None and not ours_loads
                 and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage)):
             raise ConfigError(f"train.precision={cfg.train.precision} ({precision} at zero.stage={cfg.zero.stage}) cannot "
                               f"resume {path}, written in {saved_precision} at zero.stage={saved_stage}: DeepSpeed keeps "

@@ -320,11 +320,21 @@ def prepare_universal(path: str, ctx, scratch: str | None = None) -> str:
     return target
 
 
-def universal_tensor(zero_dir: str, name: str, state: str, vocab_rows: int) -> torch.Tensor:
+def universal_tensor(zero_dir: str, name: str, state: str, vocab_rows: int, width: int | None = None) -> torch.Tensor:
     """One full fp32 tensor of the universal form (state: fp32, exp_avg or exp_avg_sq), a vocabulary tensor's
-    rows brought to `vocab_rows` (the conversion drops a TP checkpoint's padding rows; padded rows are zero)."""
+    rows brought to `vocab_rows` (the conversion drops a TP checkpoint's padding rows; padded rows are zero).
+    DeepSpeed's merge of a ZeRO-3 checkpoint at tp 1 saves each tensor bare and flat: `width`, the parameter's
+    last dim when it has two, gives it its rows back."""
     saved = torch.load(os.path.join(zero_dir, name, f"{state}.pt"), map_location="cpu", weights_only=False)
-    return with_vocab_rows(name, saved["param"].float(), vocab_rows)
+    tensor = saved["param"] if isinstance(saved, dict) else saved
+    if tensor.dim() == 1 and width is not None:
+        tensor = tensor.view(-1, width)
+    return with_vocab_rows(name, tensor.float(), vocab_rows)
+
+
+def _rows_and_width(shape: tuple) -> tuple[int, int | None]:
+    """universal_tensor's vocab_rows and width for a parameter of the whole model's `shape`."""
+    return shape[0], shape[1] if len(shape) == 2 else None
 
 
 def with_vocab_rows(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -348,17 +358,83 @@ def _load_zero0_universal(engine, zero_dir: str) -> None:
     position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
 
     def full(name: str, state: str) -> torch.Tensor:
-        return universal_tensor(zero_dir, name, state, model.full_shapes[name][0])
+        return universal_tensor(zero_dir, name, state, *_rows_and_width(model.full_shapes[name]))
 
     states = {}
     for name, module, attr in parameter_slots(model):
         param = module._parameters[attr]
         param.copy_(local_part(module, attr, full(name, "fp32")))
-        step = torch.load(os.path.join(zero_dir, name, "step.pt"), map_location="cpu", weights_only=False)
         states[position[id(param)]] = {
-            "step": torch.as_tensor(step, dtype=torch.float32).clone(),
+            "step": torch.tensor(_universal_step(zero_dir, name), dtype=torch.float32),
             **{key: local_part(module, attr, full(name, key)).clone() for key in ("exp_avg", "exp_avg_sq")}}
     optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _universal_step(zero_dir: str, name: str) -> float:
+    """The optimizer step a parameter of the universal form was saved at: its step.pt, which DeepSpeed's
+    converter writes for ZeRO 1-2 and for a TP ZeRO-3 checkpoint (ours for ZeRO-0), else (ZeRO-3 at tp 1) the
+    saved optimizer's, in zero/optimizer_state.pt."""
+    own = os.path.join(zero_dir, name, "step.pt")
+    if os.path.isfile(own):
+        return float(torch.load(own, map_location="cpu", weights_only=False))
+    saved = torch.load(os.path.join(zero_dir, "optimizer_state.pt"), map_location="cpu", weights_only=False)
+    return float(saved["optimizer_state_dict"]["state"][0]["step"])
+
+
+@torch.no_grad()
+def _load_zero3_universal(engine, zero_dir: str) -> None:
+    """A ZeRO-3 engine resuming a checkpoint of another DP or TP size, or of ZeRO 0-2: each parameter's fp32
+    master, Adam moments and step, from the universal form's full tensors, cut first to this rank's TP share (as
+    the model's build cuts them: model/init.local_part) and then to its ZeRO partition (DeepSpeed's: the flat
+    TP-local tensor zero-padded to a multiple of the partition group's size, partition `rank` of it). The
+    bf16/fp32 working partitions are then refreshed from the masters, as DeepSpeed's own universal loader does.
+
+    DeepSpeed 0.19's loader (load_hp_checkpoint_state_from_checkpoint_dir_stage3) partitions each full tensor as
+    it is: right only when the checkpoint's TP size is this job's (it cuts TP shards for its AutoTP layers
+    alone); it also reads the model-states files of a ZeRO-3 checkpoint, which a ZeRO 0-2 one names otherwise,
+    and hands every group group 0's hyperparameters and one shared `step` tensor. This loader touches only the
+    per-parameter states: the groups keep this run's hyperparameters, each sub-group its own step."""
+    from megatron_lite.model.init import local_part, parameter_slots
+
+    model, zero3 = engine.model, engine.optimizer
+    slots = {}
+    for name, module, attr in parameter_slots(model):
+        slots.setdefault(id(module._parameters[attr]), (name, module, attr))  # a tied weight: its first name
+    steps = set()
+    for sub_group, params in enumerate(zero3.fp16_groups):
+        master = zero3.fp32_partitioned_groups_flat[sub_group]
+        flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
+        offset = 0
+        for param in params:
+            name, module, attr = slots[id(param)]
+            group = zero3._get_param_partition_group(param)
+            world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+            numel = param.ds_tensor.ds_numel  # this rank's partition: ceil(TP-local numel / world)
+            for key, flat in flats.items():
+                full = universal_tensor(zero_dir, name, key, *_rows_and_width(model.full_shapes[name]))
+                part = local_part(module, attr, full)
+                assert part.shape == param.ds_shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, " \
+                                                     f"the model holds {tuple(param.ds_shape)}"
+                padded = torch.cat([part.reshape(-1), part.new_zeros(numel * world - part.numel())])
+                flat.narrow(0, offset, numel).copy_(padded.narrow(0, rank * numel, numel))
+            steps.add(_universal_step(zero_dir, name))
+            offset += numel
+        assert offset == master.numel(), f"sub-group {sub_group}: {offset} loaded elements for {master.numel()}"
+        master.copy_(flats.pop("fp32"))
+        state = zero3.optimizer.state[master]
+        state.update(flats)
+        assert len(steps) == 1, f"the universal form's parameters were saved at different steps: {sorted(steps)}"
+        step = next(iter(steps))
+        held = state.get("step")  # this run's optimizer's own type: torch's AdamW a tensor, DeepSpeed's CPU Adam a number
+        state["step"] = torch.full_like(held, step) if isinstance(held, torch.Tensor) else \
+            type(held)(step) if held is not None else torch.tensor(step)
+    for sub_group, master in enumerate(zero3.fp32_partitioned_groups_flat):
+        if master.numel() > 0:
+            zero3.fp16_partitioned_groups_flat[sub_group].copy_(master)
+        working = zero3.unflatten(zero3.fp16_partitioned_groups_flat[sub_group],
+                                  zero3.fp16_partitioned_groups[sub_group])
+        for partition, value in zip(zero3.fp16_partitioned_groups[sub_group], working):
+            partition.data = value.data
 
 
 def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> dict:
@@ -370,6 +446,8 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
         target = prepare_universal(path, ctx, scratch)
         if layout.zero_stage == 0:  # DeepSpeed's universal loader is ZeRO's; ZeRO-0 holds torch's AdamW
             _load_zero0_universal(engine, os.path.join(target, "zero"))
+        elif layout.zero_stage == 3:  # DeepSpeed's cuts no TP shards of ours and reads only ZeRO-3's files
+            _load_zero3_universal(engine, os.path.join(target, "zero"))
         else:
             engine.load(os.path.dirname(target), os.path.basename(target))
     else:

@@ -3,7 +3,7 @@
   honour_explicit_zero3_dtype     zero.Init ignores an explicit dtype on the CPU accelerator (NVMe offload)
   reset_backward_hook_count       ZeRO expects a forward before every backward (1F1B's cool-down has none)
   zero_offload_accumulators       CPU offload expects every parameter in a step's first backward (pipelines)
-  restore_group_hyperparameters   ZeRO-3 universal load copies group 0's hyperparameters and one `step` tensor
+  restore_group_hyperparameters   a load puts the saved optimizer's group hyperparameters in place of this run's
   sum_zero3_gradients_over_cp     ZeRO-3's reduce-scatter averages over the sequence-parallel (cp) ranks
   restore_functional_linear       zero.Init(module=...) leaves its own F.linear in torch for the process's life
   forget_run_in_deepspeed_globals DeepSpeed's module globals keep an ended run's model and process groups
@@ -77,17 +77,13 @@ def sum_zero3_gradients_over_cp(optimizer, cp_size: int) -> None:
 
 
 def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
-    """Repairs after a DeepSpeed 0.19 load: the groups' hyperparameters are this run's optimizer's (ZeRO-3's
-    universal load copies group 0's into every group, putting weight decay on biases and norms; a checkpoint of
-    torch's AdamW loaded into DeepSpeed's CPU Adam lacks its bias_correction), and no two parameters share a
-    `step` tensor (the universal load hands every group the same one, which torch's AdamW then increments once
-    per group per step: wrong bias correction). (test_resume.py: elastic ZeRO-3, offload switched on.)"""
+    """After a DeepSpeed 0.19 load the groups' hyperparameters are the saved optimizer's: a checkpoint of torch's
+    AdamW loaded into DeepSpeed's CPU Adam (CPU offload switched on at a resume) lacks its bias_correction, a
+    KeyError at the first step. Put this run's back (test_resume.py: offload switched on). (DeepSpeed's ZeRO-3
+    universal load also gave every group group 0's weight decay and one shared `step` tensor; ZeRO-3 now loads
+    the universal form through checkpoint/sharded.py instead.)"""
     for group, saved in zip(optimizer.param_groups, hparams):
         group.update(saved)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in inner.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"] = state["step"].clone()
 
 
 def restore_functional_linear() -> None:

@@ -184,13 +184,13 @@ class VocabParallelEmbedding(nn.Module):
         rank, size = _rank_size(tp_group)
         assert num_embeddings % size == 0, f"{num_embeddings} embedding rows do not split over {size} TP ranks"
         rows = num_embeddings // size
-        self.tp_group, self.vocab_start = tp_group, rank * rows
+        self.tp_group, self.vocab_start, self.vocab_rows = tp_group, rank * rows, rows
         weight = torch.empty(rows, embedding_dim, device=device, dtype=dtype)
         self.weight = _mark_sharded(nn.Parameter(weight), 0)  # (V_padded/tp, h)
 
     def shard_of(self, attr: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary range of the full (V_padded, h) weight."""
-        return full[self.vocab_start:self.vocab_start + self.weight.shape[0]]
+        return full[self.vocab_start:self.vocab_start + self.vocab_rows]  # not weight.shape: ZeRO-3 empties it
 
     @classmethod
     def from_full(cls, emb: nn.Embedding, tp_group) -> "VocabParallelEmbedding":

@@ -217,6 +217,30 @@ def test_zero0_resharding_on_resume(tmp_path):
         assert_continues(resumed, straight, 1e-4, f"zero.stage=0: {what} resume")
 
 
+def test_zero3_resharding_on_resume(tmp_path):
+    """ZeRO-3 through our universal loader (checkpoint/sharded._load_zero3_universal): saved at tp=2 and resumed
+    at tp=1 x dp=2, into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a
+    number) and into ZeRO-0 (our cut); a ZeRO-1 checkpoint at tp=1 x dp=2 resumed at ZeRO-3, tp=2. Until 2026-11-29 each was refused: DeepSpeed's ZeRO-3 loader partitions a full TP weight as it is, and
+    reads ZeRO-3's model-states files only. Loss and grad norm continue the uninterrupted run within 1e-4."""
+    def run(name: str, stage: int, *extra: str) -> list[str]:
+        return overrides(tmp_path, name, *STEPS8, f"zero.stage={stage}", "checkpoint.interval=4", *extra)
+
+    def resume(name: str, source: str, stage: int, *extra: str) -> list[str]:
+        return run(name, stage, *extra, f"checkpoint.dir={tmp_path}/{name}_ckpt",
+                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+
+    z3_tp2, z1_dp2 = run_configs(2, [run("z3_tp2", 3, "parallel.tp=2"), run("z1_dp2", 1)], tmp_path)
+    merged, merged_cpu, merged_z0, split = run_configs(2, [
+        resume("merged", "z3_tp2", 3), resume("merged_cpu", "z3_tp2", 3, "zero.offload_optimizer=cpu"),
+        resume("merged_z0", "z3_tp2", 0), resume("split", "z1_dp2", 3, "parallel.tp=2")], tmp_path)
+    for resumed, straight, what in ((merged, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2"),
+                                    (merged_cpu, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2 with CPU Adam"),
+                                    (merged_z0, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=0 at tp 1 x dp 2"),
+                                    (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2")):
+        assert len(resumed["losses"]) == 4, what
+        assert_continues(resumed, straight, 1e-4, f"{what} resume")
+
+
 def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
     """bf16, where the stages keep different formats (ZeRO-0 fp32 parameters under autocast, ZeRO-1 bf16 ones
     beside fp32 masters; check_resume lets a conversion through ZeRO-0 pass, since every state is a full fp32
