@@ -161,6 +161,10 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     # A searched knob given on the command line pins it: only layouts with that value are ranked.
     pinned = tuple((PINNABLE[key], OmegaConf.select(OmegaConf.structured(cfg), key)) for key in PINNABLE
                    if key in keys)
+    for key in ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "train.micro_batch_size"):
+        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        if key in keys and value < 1:  # a pin below 1 would read as "no layout has it" below
+            raise ConfigError(f"{key}={value} must be >= 1; pin a size of 1 or more, or leave it out to search it")
     # Check what does not depend on the layout (model, batch, cluster, data) with a layout every world admits.
     cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.vpp = cfg.parallel.cp = 1
     cfg.parallel.pp_layers = None

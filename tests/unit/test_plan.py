@@ -219,6 +219,9 @@ def test_plan_pins_the_knobs_given_and_says_why_nothing_is_found(capsys):
                  "train.global_batch_size=64"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:] if line[:3].strip().isdigit()]
     assert rows and all(r[1] == "2" and r[7] == "3" for r in rows), rows  # tp and zero columns
+    assert main(["--plan", "model=llama-7b", "parallel.cp=0"]) == 2  # was: no layout of 8 GPUs has parallel.cp=0
+    assert capsys.readouterr().err.strip() == ("config error: parallel.cp=0 must be >= 1; pin a size of 1 or more, "
+                                               "or leave it out to search it")
     assert main(["--plan", "model=llama-7b", "parallel.schedule=gpipe"]) == 2
     assert capsys.readouterr().err.strip() == (
         "config error: parallel.schedule=gpipe is not among what --plan searches (the schedule auto picks); leave it "
