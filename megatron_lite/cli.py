@@ -42,7 +42,7 @@ def _explain(override: str, err: Exception) -> str:
         return f"{key}={value} adds a key the config already has; write it without the +: {key.lstrip('+')}={value}"
     if key.lstrip("+~") == "model" and "model" in first.lower():
         return f"model={value} is not a known preset; use one of {', '.join(MODEL_PRESETS)}"
-    schema = OmegaConf.structured(Config(model=ModelConfig()))
+    schema = _schema()
     if "not in" in first or "Could not override" in first or "Key '" in first:
         keys = _leaf_keys(OmegaConf.to_container(schema, resolve=False))
         close = difflib.get_close_matches(key.lstrip("+~"), keys, n=1, cutoff=0.8)
@@ -59,6 +59,11 @@ def _explain(override: str, err: Exception) -> str:
     return f"{key}={value} is invalid ({first}); see README 'Configuration'"
 
 
+def _schema() -> DictConfig:
+    """Every key of the config with its default (the model group's from ModelConfig's)."""
+    return OmegaConf.structured(Config(model=ModelConfig()))
+
+
 def _leaf_keys(tree: dict, prefix: str = "") -> list[str]:
     """Every overridable key of the schema, dotted."""
     out = []
@@ -72,7 +77,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"{bad[0]} is not an override; write key=value, e.g. train.steps=100")
-    schema = OmegaConf.structured(Config(model=ModelConfig()))
+    schema = _schema()
     for o in overrides:  # Hydra's `+key=value` adds a key the schema lacks: a typo would be kept and never read
         key, _, value = o.partition("=")
         if key.startswith("+") and OmegaConf.select(schema, key.lstrip("+"), default=_ABSENT) is _ABSENT:
@@ -159,10 +164,10 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
             raise ConfigError(f"{key}={value} is not among what --plan searches ({UNSEARCHED[key]}); leave it out, and "
                               f"`train.py --check` a layout with it")
     # A searched knob given on the command line pins it: only layouts with that value are ranked.
-    pinned = tuple((PINNABLE[key], OmegaConf.select(OmegaConf.structured(cfg), key)) for key in PINNABLE
-                   if key in keys)
+    given = OmegaConf.structured(cfg)
+    pinned = tuple((PINNABLE[key], OmegaConf.select(given, key)) for key in PINNABLE if key in keys)
     for key in ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "train.micro_batch_size"):
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(given, key)
         if key in keys and value < 1:  # a pin below 1 would read as "no layout has it" below
             raise ConfigError(f"{key}={value} must be >= 1; pin a size of 1 or more, or leave it out to search it")
     # Check what does not depend on the layout (model, batch, cluster, data) with a layout every world admits.

@@ -263,8 +263,7 @@ def main(argv=None) -> dict:
             "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer), "eos_id": eos,
             "tokenizer": recorded_path(args.tokenizer),
             "train_tokens": train_tokens, "val_tokens": val_tokens, "n_docs_train": n_train, "n_docs_val": n_val,
-            "sources": [os.path.relpath(f, ROOT) if f.startswith(ROOT + os.sep) else f
-                        for fs in groups.values() for f in fs],
+            "sources": [recorded_path(f) for fs in groups.values() for f in fs],
         }
         shutil.rmtree(os.path.join(tmp, "hf_cache"), ignore_errors=True)
         with open(os.path.join(tmp, "meta.json"), "w") as f:

@@ -180,7 +180,8 @@ def check_resume(cfg, world_size: int) -> None:
                               "ZeRO 1-2 loader reads files a ZeRO-3 checkpoint does not have; resume it at zero.stage=3 "
                               "or 0 (any layout), whose checkpoints then load at ZeRO 1-2")
         # DeepSpeed's universal loader serves ZeRO 1-2 (ZeRO-0 loads through ours, which cuts as the model builds).
-        deepspeed_loads = cfg.zero.stage in (1, 2) and layout.needs_conversion(saved)
+        converts = layout.needs_conversion(saved)
+        deepspeed_loads = cfg.zero.stage in (1, 2) and converts
         tp = cfg.parallel.tp
         if deepspeed_loads and tp > 1 and saved.tp == 1 and not meta.get("tp_split_patterns"):
             raise ConfigError(f"parallel.tp={tp} cannot load {path} at zero.stage={cfg.zero.stage}: it was written at "
@@ -190,7 +191,7 @@ def check_resume(cfg, world_size: int) -> None:
         saved_precision = saved.precision  # resolved (auto -> bf16/fp32); absent before the bf16 fixes
         precision = resolve_precision(cfg)
         # Our loaders read every state as a full fp32 tensor; DeepSpeed's keep bf16 and fp32 ZeRO states apart.
-        ours_loads = cfg.zero.stage == 0 or (cfg.zero.stage == 3 and layout.needs_conversion(saved)) or saved_stage == 0
+        ours_loads = cfg.zero.stage == 0 or (cfg.zero.stage == 3 and converts) or saved_stage == 0
         if (saved_precision is not None and not ours_loads
                 and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage)):
             raise ConfigError(f"train.precision={cfg.train.precision} ({precision} at zero.stage={cfg.zero.stage}) cannot "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import json
 import os
 import random
@@ -357,6 +358,8 @@ def _load_zero0_universal(engine, zero_dir: str) -> None:
     model, optimizer = engine.model, engine.optimizer
     position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
 
+    step_of = _universal_steps(zero_dir)
+
     def full(name: str, state: str) -> torch.Tensor:
         return universal_tensor(zero_dir, name, state, *_rows_and_width(model.full_shapes[name]))
 
@@ -365,20 +368,28 @@ def _load_zero0_universal(engine, zero_dir: str) -> None:
         param = module._parameters[attr]
         param.copy_(local_part(module, attr, full(name, "fp32")))
         states[position[id(param)]] = {
-            "step": torch.tensor(_universal_step(zero_dir, name), dtype=torch.float32),
+            "step": torch.tensor(step_of(name), dtype=torch.float32),
             **{key: local_part(module, attr, full(name, key)).clone() for key in ("exp_avg", "exp_avg_sq")}}
     optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
-def _universal_step(zero_dir: str, name: str) -> float:
-    """The optimizer step a parameter of the universal form was saved at: its step.pt, which DeepSpeed's
-    converter writes for ZeRO 1-2 and for a TP ZeRO-3 checkpoint (ours for ZeRO-0), else (ZeRO-3 at tp 1) the
-    saved optimizer's, in zero/optimizer_state.pt."""
-    own = os.path.join(zero_dir, name, "step.pt")
-    if os.path.isfile(own):
-        return float(torch.load(own, map_location="cpu", weights_only=False))
-    saved = torch.load(os.path.join(zero_dir, "optimizer_state.pt"), map_location="cpu", weights_only=False)
-    return float(saved["optimizer_state_dict"]["state"][0]["step"])
+def _universal_steps(zero_dir: str):
+    """name -> the optimizer step that parameter of the universal form was saved at: its step.pt, which
+    DeepSpeed's converter writes for ZeRO 1-2 and for a TP ZeRO-3 checkpoint (ours for ZeRO-0), else (ZeRO-3 at
+    tp 1) the saved optimizer's in zero/optimizer_state.pt, read once per load (the file also holds the saved
+    rank's optimizer state)."""
+    @functools.cache
+    def saved_optimizer_step() -> float:
+        saved = torch.load(os.path.join(zero_dir, "optimizer_state.pt"), map_location="cpu", weights_only=False)
+        return float(saved["optimizer_state_dict"]["state"][0]["step"])
+
+    def step_of(name: str) -> float:
+        own = os.path.join(zero_dir, name, "step.pt")
+        if os.path.isfile(own):
+            return float(torch.load(own, map_location="cpu", weights_only=False))
+        return saved_optimizer_step()
+
+    return step_of
 
 
 @torch.no_grad()
@@ -400,7 +411,7 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
     slots = {}
     for name, module, attr in parameter_slots(model):
         slots.setdefault(id(module._parameters[attr]), (name, module, attr))  # a tied weight: its first name
-    steps = set()
+    step_of, steps = _universal_steps(zero_dir), set()
     for sub_group, params in enumerate(zero3.fp16_groups):
         master = zero3.fp32_partitioned_groups_flat[sub_group]
         flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
@@ -417,7 +428,7 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
                                                      f"the model holds {tuple(param.ds_shape)}"
                 padded = torch.cat([part.reshape(-1), part.new_zeros(numel * world - part.numel())])
                 flat.narrow(0, offset, numel).copy_(padded.narrow(0, rank * numel, numel))
-            steps.add(_universal_step(zero_dir, name))
+            steps.add(step_of(name))
             offset += numel
         assert offset == master.numel(), f"sub-group {sub_group}: {offset} loaded elements for {master.numel()}"
         master.copy_(flats.pop("fp32"))

@@ -75,7 +75,7 @@ class Engine:
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         # Every hyperparameter of this run's optimizer groups (not the learning rate, set each step), put back after a
         # load: a checkpoint of another optimizer (torch's AdamW, saved without offload, into DeepSpeed's CPU Adam)
-        # lacks some (bias_correction: a KeyError at the first step), and ZeRO-3's universal load mixes them up.
+        # lacks some (bias_correction: a KeyError at the first step).
         self._group_hparams = [{k: v for k, v in g.items() if k not in ("params", "lr", "step")}
                                for g in self.optimizer.param_groups]
         # ZeRO optimizers take `output.backward(grad)` through the engine's forward (its hooks open and close

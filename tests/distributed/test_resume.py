@@ -130,6 +130,19 @@ def resume_at(tmp_path, name: str, layout: list[str], dp_to: int) -> list[str]:
                      f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
 
 
+def staged_runs(tmp_path):
+    """(run, resume): run(name, stage, *extra) trains 8 steps at a ZeRO stage saving at 4; resume(name, source,
+    stage, *extra) does so from run `source`'s step 4 (into a checkpoint dir of its own)."""
+    def run(name: str, stage: int, *extra: str) -> list[str]:
+        return overrides(tmp_path, name, *STEPS8, f"zero.stage={stage}", "checkpoint.interval=4", *extra)
+
+    def resume(name: str, source: str, stage: int, *extra: str) -> list[str]:
+        return run(name, stage, *extra, f"checkpoint.dir={tmp_path}/{name}_ckpt",
+                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+
+    return run, resume
+
+
 def test_elastic_dp_resume(tmp_path):
     """Save at one DP size, resume at another: loss and grad norm continue the uninterrupted run within 1e-4.
     The accumulation count changes with the DP size (1 at dp=4, 2 at dp=2): a wrong scale shows in the norms.
@@ -188,12 +201,7 @@ def test_zero0_resharding_on_resume(tmp_path):
     part by 1.8."""
     split = ["parallel.tp=2", "parallel.pp=2"]
 
-    def run(name: str, stage: int, *extra: str) -> list[str]:
-        return overrides(tmp_path, name, *STEPS8, f"zero.stage={stage}", "checkpoint.interval=4", *extra)
-
-    def resume(name: str, source: str, stage: int, *extra: str) -> list[str]:
-        return run(name, stage, *extra, f"checkpoint.dir={tmp_path}/{name}_ckpt",
-                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+    run, resume = staged_runs(tmp_path)
 
     (z0_split,) = run_configs(4, [run("z0_split", 0, *split)], tmp_path)
     z0_whole, z1_whole, merged, merged_z1 = run_configs(2, [
@@ -222,12 +230,7 @@ def test_zero3_resharding_on_resume(tmp_path):
     at tp=1 x dp=2, into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a
     number) and into ZeRO-0 (our cut); a ZeRO-1 checkpoint at tp=1 x dp=2 resumed at ZeRO-3, tp=2. Until 2026-11-29 each was refused: DeepSpeed's ZeRO-3 loader partitions a full TP weight as it is, and
     reads ZeRO-3's model-states files only. Loss and grad norm continue the uninterrupted run within 1e-4."""
-    def run(name: str, stage: int, *extra: str) -> list[str]:
-        return overrides(tmp_path, name, *STEPS8, f"zero.stage={stage}", "checkpoint.interval=4", *extra)
-
-    def resume(name: str, source: str, stage: int, *extra: str) -> list[str]:
-        return run(name, stage, *extra, f"checkpoint.dir={tmp_path}/{name}_ckpt",
-                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+    run, resume = staged_runs(tmp_path)
 
     z3_tp2, z1_dp2 = run_configs(2, [run("z3_tp2", 3, "parallel.tp=2"), run("z1_dp2", 1)], tmp_path)
     merged, merged_cpu, merged_z0, split = run_configs(2, [
