@@ -78,12 +78,22 @@ class Layout:
         return (saved.world_size, saved.dp, saved.tp, saved.cp, saved.zero_stage, saved.pipeline, saved.v_shape) == \
             (self.world_size, self.dp, self.tp, self.cp, self.zero_stage, self.pipeline, self.v_shape)
 
+    @property
+    def bf16_states(self) -> bool | None:
+        """Whether DeepSpeed holds this layout's states in its bf16 format (engine/ds_config.holds_bf16); None
+        when the precision is not known (a checkpoint older than the bf16 fixes)."""
+        from megatron_lite.engine.ds_config import holds_bf16  # (the engine imports this module)
+
+        return None if self.precision is None else holds_bf16(self.precision, self.zero_stage)
+
     def needs_conversion(self, saved: "Layout") -> bool:
         """Whether a ZeRO checkpoint written at `saved` loads here only through the universal format: another
         number of ZeRO partitions, TP size, stage or pipeline layout (a V holds other stages on each rank than
-        loops do). From ZeRO-0 to ZeRO-0 only another TP size or pipeline layout converts: its optimizer state
-        is whole on every DP rank."""
+        loops do), or states held in the other of DeepSpeed's formats (bf16 parameters beside fp32 masters, or
+        fp32 ones). From ZeRO-0 to ZeRO-0 only another TP size or pipeline layout converts: its optimizer state
+        is whole on every DP rank, and fp32 in either precision."""
         if saved.zero_stage == self.zero_stage == 0:
             return (saved.pipeline, saved.v_shape, saved.tp) != (self.pipeline, self.v_shape, self.tp)
-        return (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != \
+        formats = None not in (saved.bf16_states, self.bf16_states) and saved.bf16_states != self.bf16_states
+        return formats or (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != \
             (self.pipeline, self.v_shape, self.zero_partitions, self.tp, self.zero_stage)

@@ -272,13 +272,11 @@ class Trainer:
             rows = padded_vocab_size(cfg.model, ctx.tp_size)
             weights = {name: with_vocab_rows(name, tensor, rows)
                        for name, tensor in checkpoint_weights.load_model_state(resume_path)[1].items()}
-        universal = (meta is not None and meta["kind"] == "deepspeed" and cfg.zero.stage > 0  # (ZeRO-0: ours)
-                     and self.layout.needs_conversion(Layout.of_checkpoint(meta)))
         partition, build_dtype = None, torch.float32
         if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
             if cfg.zero.offload_param == "nvme":
                 honour_explicit_zero3_dtype()
-            partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size, universal), ctx)
+            partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size), ctx)
         # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
         model = build_model(cfg, ctx, weights=weights, dtype=build_dtype, partition=partition)
         del weights
@@ -286,7 +284,7 @@ class Trainer:
         model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
         if cfg.train.compile:
             model.compile_blocks()
-        return Engine(cfg, model, ctx, load_universal=universal, layout=self.layout)
+        return Engine(cfg, model, ctx, layout=self.layout)
 
     def _resume(self, resume_path: str | None, meta: dict | None) -> dict | None:
         """Load a DeepSpeed checkpoint into the engine and return the meta of what was loaded (a weights-only
@@ -448,8 +446,6 @@ class Trainer:
         meta_out = {
             "config": asdict(cfg), "consumed_samples": self.batches.consumed_samples,
             "wandb_id": self.logger.wandb_id, "layout": self.layout.to_meta(),
-            # TP split patterns are in the engine's files at every tp (before 2026-11-28: only at tp > 1)
-            "tp_split_patterns": True,
             "skipped_steps": self.skipped_total,
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers

@@ -3,7 +3,7 @@ in order and raises `ConfigError` with one line that names the key as typed, the
 
   validate(cfg, world_size)    the config alone: shapes, layout, ZeRO, batch, optimizer, data, logging
   check_offload_support(cfg)   this machine: NVMe offload needs DeepSpeed's async-io op
-  check_resume(cfg, world)     the checkpoint a resume would load (checkpoint/resume.py, which knows the files)
+  check_resume(cfg)            the checkpoint a resume would load (checkpoint/resume.py, which knows the files)
 
 `notes(cfg)` lists settings that are valid but do nothing or less than they seem to; the run prints them as
 warnings (so does --check).
@@ -33,7 +33,7 @@ def check(cfg: Config, world_size: int) -> None:
 
     validate(cfg, world_size)
     check_offload_support(cfg)
-    check_resume(cfg, world_size)
+    check_resume(cfg)
 
 
 def notes(cfg: Config) -> list[str]:

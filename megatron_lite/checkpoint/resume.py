@@ -1,7 +1,7 @@
 """Which checkpoint a job resumes, and whether it can: resume=auto's choice among the committed checkpoints
 (checkpoint/store.py checks them), the config-time check of a resume before any process group, and what a
 checkpoint's layout means for this job (the same layout continues every rank's RNG streams; another number of
-ZeRO partitions, TP size, stage or pipeline layout goes through the universal format; a changed data stream is
+ZeRO partitions, TP size, stage, pipeline layout or state format goes through the universal format; a changed data stream is
 said by key)."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.store import META, read_meta
 from megatron_lite.config import override_value
 from megatron_lite.errors import ConfigError, RunError
-from megatron_lite.layout import Layout
 
 
 def warn(text: str) -> None:
@@ -123,11 +122,12 @@ def data_stream_changes(saved_config: dict, cfg) -> list[str]:
     return out
 
 
-def check_resume(cfg, world_size: int) -> None:
-    """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError)."""
+def check_resume(cfg) -> None:
+    """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError). Any other
+    layout, ZeRO stage or precision loads (through the universal form and our loaders, checkpoint/sharded.py,
+    which cut its full fp32 tensors as this run's model builds); a model of another shape does not, nor a run
+    with its optimizer on NVMe."""
     from dataclasses import asdict
-
-    from megatron_lite.engine.ds_config import holds_bf16, resolve_precision
 
     resume, root = cfg.checkpoint.resume, cfg.checkpoint.dir
     if resume == "never":
@@ -169,31 +169,3 @@ def check_resume(cfg, world_size: int) -> None:
             raise ConfigError(f"checkpoint.resume: {which}, which DeepSpeed 0.19 does not restore exactly (norms and "
                               "biases come back at their initial values); train with zero.offload_optimizer=cpu for "
                               "resumable checkpoints, or start afresh (checkpoint.resume=never)")
-        saved = Layout.of_checkpoint(meta)
-        layout = Layout.of_run(cfg, world_size)
-        saved_stage = saved.zero_stage
-        # Another layout or stage loads through the universal form (checkpoint/sharded.py): ZeRO-0 and ZeRO-3 jobs
-        # cut its full tensors themselves (any tp, pipeline, DP size or stage), ZeRO 1-2 jobs through DeepSpeed's
-        # loader, which reads ZeRO 1-2's model-states files.
-        if cfg.zero.stage in (1, 2) and saved_stage == 3:
-            raise ConfigError(f"zero.stage={cfg.zero.stage} cannot resume {path}, written with zero.stage=3: DeepSpeed's "
-                              "ZeRO 1-2 loader reads files a ZeRO-3 checkpoint does not have; resume it at zero.stage=3 "
-                              "or 0 (any layout), whose checkpoints then load at ZeRO 1-2")
-        # DeepSpeed's universal loader serves ZeRO 1-2 (ZeRO-0 loads through ours, which cuts as the model builds).
-        converts = layout.needs_conversion(saved)
-        deepspeed_loads = cfg.zero.stage in (1, 2) and converts
-        tp = cfg.parallel.tp
-        if deepspeed_loads and tp > 1 and saved.tp == 1 and not meta.get("tp_split_patterns"):
-            raise ConfigError(f"parallel.tp={tp} cannot load {path} at zero.stage={cfg.zero.stage}: it was written at "
-                              "parallel.tp=1 before checkpoints recorded how each weight splits over TP ranks, and "
-                              "DeepSpeed's loader would cut its fused and row-parallel weights wrongly; resume it at "
-                              "zero.stage=0 (our loader cuts it exactly), whose checkpoints then load anywhere")
-        saved_precision = saved.precision  # resolved (auto -> bf16/fp32); absent before the bf16 fixes
-        precision = resolve_precision(cfg)
-        # Our loaders read every state as a full fp32 tensor; DeepSpeed's keep bf16 and fp32 ZeRO states apart.
-        ours_loads = cfg.zero.stage == 0 or (cfg.zero.stage == 3 and converts) or saved_stage == 0
-        if (saved_precision is not None and not ours_loads
-                and holds_bf16(saved_precision, saved_stage) != holds_bf16(precision, cfg.zero.stage)):
-            raise ConfigError(f"train.precision={cfg.train.precision} ({precision} at zero.stage={cfg.zero.stage}) cannot "
-                              f"resume {path}, written in {saved_precision} at zero.stage={saved_stage}: DeepSpeed keeps "
-                              f"bf16 and fp32 ZeRO states in different formats; use train.precision={saved_precision}")

@@ -2,12 +2,14 @@
 through checkpoint/store.py: fsync, manifest, `latest`, pruning) and load, with the universal conversion that
 a change of layout needs.
 
-Elastic resume: when the checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage or pipeline
-layout differs from the current job's (layout.Layout.needs_conversion), rank 0 converts it once into
-DeepSpeed's universal (layout-free) format beside the shards (path/universal), and every rank loads that. TP
-shards merge and re-split by the split patterns the engine saved with the checkpoint
-(model/layout.universal_split_patterns). The same conversion gives checkpoint_weights.py the full weights of
-a TP or pipeline run.
+Elastic resume: when the checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage, pipeline
+layout or state format (bf16 or fp32) differs from the current job's (layout.Layout.needs_conversion), rank 0
+converts it once into DeepSpeed's universal (layout-free) format beside the shards (path/universal): DeepSpeed's
+converter merges the TP shards by the split patterns the engine saved with the checkpoint
+(model/layout.universal_split_patterns) into one full fp32 tensor per parameter and state. Every rank then
+loads that with our loader for its ZeRO stage (_load_zero0/zero12/zero3_universal), which cuts each tensor to
+this rank's TP share as the model's build does and then to its ZeRO partition as DeepSpeed lays it out. The same
+conversion gives checkpoint_weights.py the full weights of a TP or pipeline run.
 
 Which checkpoint to resume and whether it can be resumed: checkpoint_resume.py. Weights-only checkpoints
 (HF import/export): checkpoint_weights.py.
@@ -245,11 +247,8 @@ def _zero0_to_universal(path: str, meta: dict, out: str) -> None:
     converter's extracted fragments (one per TP rank, a single "dp" fragment each), and its merge step joins
     the TP slices by the split patterns saved in the checkpoint, as for ZeRO 1-3. Names are global, so the
     pipeline stages are a union; the last stage's copy of a tied embedding equals the first stage's and is
-    left out.
-
-    Beside the tensors, what DeepSpeed's universal loader (a ZeRO 1-2 job resuming this) reads: the optimizer's
-    group settings (zero/optimizer_state.pt; the engine restores ours after loading) and each mp_rank file's
-    bookkeeping, without its module and optimizer (that loader takes no weights from them)."""
+    left out. Our loaders read nothing else (DeepSpeed's, which also read each mp_rank file's bookkeeping and the
+    optimizer's group settings, are not used)."""
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
     from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
 
@@ -269,13 +268,9 @@ def _zero0_to_universal(path: str, meta: dict, out: str) -> None:
                 os.makedirs(folder, exist_ok=True)
                 for key, value in states.items():
                     torch.save(value.reshape(-1) if key != "step" else value, os.path.join(folder, f"{key}.00"))
-            torch.save({**saved, "module": {}, "optimizer": None}, os.path.join(out, name))
     for param, per_tp in shapes.items():
         merge_tp_slices(saved.get(UNIVERSAL_CHECKPOINT_INFO, {}), zero, fragments, tp, (param, per_tp))
     shutil.rmtree(fragments)
-    groups = [{key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
-              for group in saved["optimizer"]["param_groups"]]
-    torch.save({"param_groups": groups, "ds_version": saved["ds_version"]}, os.path.join(zero, "optimizer_state.pt"))
 
 
 def _zero0_states(saved: dict) -> dict[str, dict]:
@@ -392,13 +387,84 @@ def _universal_steps(zero_dir: str):
     return step_of
 
 
+def _one_step(steps: set) -> float:
+    assert len(steps) == 1, f"the universal form's parameters were saved at different steps: {sorted(steps)}"
+    return next(iter(steps))
+
+
+def _adam_step(optimizer, master: torch.Tensor, step: float):
+    """`step` as this run's optimizer keeps it for the flat partition `master`: DeepSpeed's CPU Adam a Python int,
+    torch's AdamW a float32 tensor (on the CPU, or beside its parameter when fused or capturable), whatever
+    another optimizer of its class already holds there (ZeRO-3 creates the states at build; ZeRO 1-2 at the
+    first step, so they are absent at a load)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    held = optimizer.state[master].get("step")
+    if isinstance(held, torch.Tensor):
+        return torch.full_like(held, step)
+    if held is not None or isinstance(optimizer, DeepSpeedCPUAdam):
+        return int(step)
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return torch.tensor(step, dtype=torch.float32, device=master.device if on_device else "cpu")
+
+
+@torch.no_grad()
+def _load_zero12_universal(engine, zero_dir: str) -> None:
+    """A ZeRO 1-2 engine resuming a checkpoint of another DP, TP or CP size, pipeline layout, ZeRO stage or
+    precision: each parameter's fp32 master and Adam moments, from the universal form's full tensors, cut first
+    to this rank's TP share (model/init.local_part, as the build cuts) and then to the fragment of it this
+    rank's ZeRO partition holds (DeepSpeed's lp -> hp mapping: where the parameter's slice starts in the
+    parameter and in the flat fp32 partition), for DeepSpeed's ZeRO 1-2 optimizer and its bf16 ZeRO-1 one
+    alike. The working (bf16 or fp32) parameters are then gathered from the masters (update_lp_params).
+
+    DeepSpeed 0.19's own loader (load_hp_checkpoint_state_from_checkpoint_dir) cuts TP shards by the split
+    patterns the checkpoint recorded (absent from a tp=1 checkpoint before 2026-11-28), reads the mp_rank files
+    of a ZeRO 1-2 checkpoint (a ZeRO-3 one names them otherwise), keeps bf16 and fp32 states apart, and puts the
+    saved groups' hyperparameters in place of this run's. This loader touches only the per-parameter states."""
+    from megatron_lite.model.init import local_part, parameter_slots
+
+    model, zero = engine.model, engine.optimizer
+    lp_groups = getattr(zero, "bit16_groups", None) or zero.bf16_groups  # ZeRO 1-2's optimizer or the bf16 one
+    slots = {}
+    for name, module, attr in parameter_slots(model):
+        slots.setdefault(id(module._parameters[attr]), (name, module, attr))  # a tied weight: its first name
+    step_of = _universal_steps(zero_dir)
+    for group, params in zip(zero.optimizer.param_groups, lp_groups):
+        master = group["params"][0]  # this rank's flat fp32 partition of the group
+        flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
+        steps = set()
+        for param in params:
+            fragment = param._hp_mapping
+            if fragment is None:  # wholly in other ranks' partitions
+                continue
+            name, module, attr = slots[id(param)]
+            at, to = fragment.lp_fragment_address, fragment.hp_fragment_address
+            for key, flat in flats.items():
+                full = universal_tensor(zero_dir, name, key, *_rows_and_width(model.full_shapes[name]))
+                part = local_part(module, attr, full)
+                assert part.shape == param.shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, " \
+                                                  f"the model holds {tuple(param.shape)}"
+                flat.narrow(0, to.start, to.numel).copy_(part.reshape(-1).narrow(0, at.start, at.numel))
+            steps.add(step_of(name))
+        master.copy_(flats.pop("fp32"))
+        state = zero.optimizer.state[master]
+        for key, flat in flats.items():
+            if key in state:  # in place: DeepSpeed's fragments (tensor_fragment.optim_fragment) view these
+                state[key].copy_(flat)
+            else:
+                state[key] = flat
+        if steps:
+            state["step"] = _adam_step(zero.optimizer, master, _one_step(steps))
+    zero.update_lp_params()
+
+
 @torch.no_grad()
 def _load_zero3_universal(engine, zero_dir: str) -> None:
     """A ZeRO-3 engine resuming a checkpoint of another DP or TP size, or of ZeRO 0-2: each parameter's fp32
     master, Adam moments and step, from the universal form's full tensors, cut first to this rank's TP share (as
     the model's build cuts them: model/init.local_part) and then to its ZeRO partition (DeepSpeed's: the flat
     TP-local tensor zero-padded to a multiple of the partition group's size, partition `rank` of it). The
-    bf16/fp32 working partitions are then refreshed from the masters, as DeepSpeed's own universal loader does.
+    bf16/fp32 working partitions are then refreshed from the masters.
 
     DeepSpeed 0.19's loader (load_hp_checkpoint_state_from_checkpoint_dir_stage3) partitions each full tensor as
     it is: right only when the checkpoint's TP size is this job's (it cuts TP shards for its AutoTP layers
@@ -434,11 +500,7 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
         master.copy_(flats.pop("fp32"))
         state = zero3.optimizer.state[master]
         state.update(flats)
-        assert len(steps) == 1, f"the universal form's parameters were saved at different steps: {sorted(steps)}"
-        step = next(iter(steps))
-        held = state.get("step")  # this run's optimizer's own type: torch's AdamW a tensor, DeepSpeed's CPU Adam a number
-        state["step"] = torch.full_like(held, step) if isinstance(held, torch.Tensor) else \
-            type(held)(step) if held is not None else torch.tensor(step)
+        state["step"] = _adam_step(zero3.optimizer, master, _one_step(steps))
     for sub_group, master in enumerate(zero3.fp32_partitioned_groups_flat):
         if master.numel() > 0:
             zero3.fp16_partitioned_groups_flat[sub_group].copy_(master)
@@ -455,12 +517,8 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
     saved = Layout.of_checkpoint(meta)
     if layout.needs_conversion(saved):
         target = prepare_universal(path, ctx, scratch)
-        if layout.zero_stage == 0:  # DeepSpeed's universal loader is ZeRO's; ZeRO-0 holds torch's AdamW
-            _load_zero0_universal(engine, os.path.join(target, "zero"))
-        elif layout.zero_stage == 3:  # DeepSpeed's cuts no TP shards of ours and reads only ZeRO-3's files
-            _load_zero3_universal(engine, os.path.join(target, "zero"))
-        else:
-            engine.load(os.path.dirname(target), os.path.basename(target))
+        loader = {0: _load_zero0_universal, 3: _load_zero3_universal}.get(layout.zero_stage, _load_zero12_universal)
+        loader(engine, os.path.join(target, "zero"))
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
     # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where

@@ -32,12 +32,9 @@ def _offload(device: str, nvme_path: str, pin: bool) -> dict:
     return out
 
 
-def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) -> dict:
-    """Translate our config into DeepSpeed's JSON config.
-
-    load_universal: the checkpoint about to be loaded was written with another layout (DP or TP size, ZeRO
-    stage), so the engine must read DeepSpeed's universal format, which the checkpoint module prepares.
-    """
+def deepspeed_config(cfg: Config, dp_size: int) -> dict:
+    """Translate our config into DeepSpeed's JSON config. (A checkpoint of another layout loads through our own
+    loaders of the universal form, checkpoint/sharded.py, not DeepSpeed's `load_universal`.)"""
     t, z, o = cfg.train, cfg.zero, cfg.optim
     bf16_params = holds_bf16(resolve_precision(cfg), z.stage)
     offload_opt = z.offload_optimizer != "none"
@@ -92,8 +89,6 @@ def deepspeed_config(cfg: Config, dp_size: int, load_universal: bool = False) ->
         "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,
     }
-    if load_universal:
-        ds["checkpoint"] = {"load_universal": True}
     return ds
 
 

@@ -46,15 +46,14 @@ class StepOutcome:
 class Engine:
     """One model replica's DeepSpeed engine plus the pipeline executor that runs its micro-batches."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext,
-                 load_universal: bool = False, layout: Layout | None = None):
+    def __init__(self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext, layout: Layout | None = None):
         """layout: the run's Layout (training builds it once); from cfg and the world size when not given."""
         import deepspeed
 
         self.cfg, self.ctx = cfg, ctx
         if cfg.zero.offload_param == "nvme":
             honour_explicit_zero3_dtype()
-        self.ds_config = deepspeed_config(cfg, ctx.dp_size, load_universal)
+        self.ds_config = deepspeed_config(cfg, ctx.dp_size)
         t = cfg.train
         self.layout = layout if layout is not None else Layout.of_run(cfg, ctx.world_size)
         self.accum = self.layout.accumulation  # micro-batches per step on each pipeline

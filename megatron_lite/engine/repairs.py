@@ -77,11 +77,10 @@ def sum_zero3_gradients_over_cp(optimizer, cp_size: int) -> None:
 
 
 def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
-    """After a DeepSpeed 0.19 load the groups' hyperparameters are the saved optimizer's: a checkpoint of torch's
-    AdamW loaded into DeepSpeed's CPU Adam (CPU offload switched on at a resume) lacks its bias_correction, a
-    KeyError at the first step. Put this run's back (test_resume.py: offload switched on). (DeepSpeed's ZeRO-3
-    universal load also gave every group group 0's weight decay and one shared `step` tensor; ZeRO-3 now loads
-    the universal form through checkpoint/sharded.py instead.)"""
+    """After a DeepSpeed 0.19 load (the same layout: another goes through our loaders, checkpoint/sharded.py)
+    the groups' hyperparameters are the saved optimizer's: a checkpoint of torch's AdamW loaded into DeepSpeed's
+    CPU Adam (CPU offload switched on at a resume) lacks its bias_correction, a KeyError at the first step. Put
+    this run's back (test_resume.py: offload switched on)."""
     for group, saved in zip(optimizer.param_groups, hparams):
         group.update(saved)
 

@@ -275,6 +275,5 @@ class DeepSpeedMPU:
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.ctx.pp_size
 
-    # No get_slice_parallel_*: DeepSpeed's universal loader (base_optimizer.load_hp_checkpoint_state_from_checkpoint_dir)
-    # prefers the slice size to the TP size when cutting each weight for this rank, and a slice of tp x pp (what
-    # the name means in DeepSpeed's own pipeline) cut tp x pp ways with a TP rank, which asserts.
+    # No get_slice_parallel_*: DeepSpeed reads it as the TP size where it cuts weights (its universal loader,
+    # which we no longer use, cut tp x pp ways with a TP rank and asserted); in its own pipeline it means tp x pp.

@@ -194,9 +194,10 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
 
 def test_zero0_resharding_on_resume(tmp_path):
     """ZeRO-0, the default stage, through the universal form (checkpoint/sharded.py): saved at tp=2 x pp=2 and
-    resumed at tp=1 x dp=2, at ZeRO-0 and at ZeRO-1 (DeepSpeed's loader); saved at tp=1 x dp=2 by ZeRO-0 and by
-    ZeRO-1 and resumed at tp=2 x pp=2 under ZeRO-0 (our cut) and ZeRO-1, and at tp=2 x dp=2 under ZeRO 1 and 2
-    (DeepSpeed's; into tp x pp it asserted while our model-parallel unit reported a "slice" size of tp x pp).
+    resumed at tp=1 x dp=2, at ZeRO-0 and at ZeRO-1; saved at tp=1 x dp=2 by ZeRO-0 and by ZeRO-1 and resumed at
+    tp=2 x pp=2 under ZeRO-0 and ZeRO-1, and at tp=2 x dp=2 under ZeRO 1 and 2 (into tp x pp, DeepSpeed's
+    loader, used for ZeRO 1-2 until 2026-11-29, asserted while our model-parallel unit reported a "slice" size
+    of tp x pp).
     Loss and grad norm continue the uninterrupted run within 1e-4. With the moments zeroed on load the losses
     part by 1.8."""
     split = ["parallel.tp=2", "parallel.pp=2"]
@@ -207,9 +208,9 @@ def test_zero0_resharding_on_resume(tmp_path):
     z0_whole, z1_whole, merged, merged_z1 = run_configs(2, [
         run("z0_whole", 0), run("z1_whole", 1), resume("merged", "z0_split", 0), resume("merged_z1", "z0_split", 1)],
         tmp_path)
-    # Into tp 2 x dp 2 at ZeRO 1 and 2, where DeepSpeed's loader cuts what a tp=1 checkpoint recorded: before
-    # 2026-11-28 tp=1 recorded no split patterns and it cut fused QKV and row-parallel weights along dim 0 (loss
-    # 9.02 at the step after the resume, above the initial 9.01; found by trying it from outside).
+    # Into tp 2 x dp 2 at ZeRO 1 and 2, where DeepSpeed's loader (until 2026-11-29) cut what a tp=1 checkpoint
+    # recorded: before 2026-11-28 tp=1 recorded no split patterns and it cut fused QKV and row-parallel weights
+    # along dim 0 (loss 9.02 at the step after the resume, above the initial 9.01; found by trying it from outside).
     resplit, resplit_z1, z1_tp2, z0_tp2_z2, z1_split = run_configs(4, [
         resume("resplit", "z0_whole", 0, *split), resume("resplit_z1", "z1_whole", 0, *split),
         resume("z1_tp2", "z1_whole", 1, "parallel.tp=2"), resume("z0_tp2_z2", "z0_whole", 2, "parallel.tp=2"),
@@ -226,40 +227,53 @@ def test_zero0_resharding_on_resume(tmp_path):
 
 
 def test_zero3_resharding_on_resume(tmp_path):
-    """ZeRO-3 through our universal loader (checkpoint/sharded._load_zero3_universal): saved at tp=2 and resumed
-    at tp=1 x dp=2, into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a
-    number) and into ZeRO-0 (our cut); a ZeRO-1 checkpoint at tp=1 x dp=2 resumed at ZeRO-3, tp=2. Until 2026-11-29 each was refused: DeepSpeed's ZeRO-3 loader partitions a full TP weight as it is, and
-    reads ZeRO-3's model-states files only. Loss and grad norm continue the uninterrupted run within 1e-4."""
+    """ZeRO-3 through our universal loaders (checkpoint/sharded.py): saved at tp=2 and resumed at tp=1 x dp=2,
+    into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a number), into
+    ZeRO-0 (our cut), into ZeRO-2 and into ZeRO-1 with CPU Adam (the ZeRO 1-2 loader, whose optimizer creates
+    its states at the first step: the loader makes them, a Python int step for CPU Adam); a ZeRO-1 checkpoint
+    at tp=1 x dp=2 resumed at ZeRO-3, tp=2. Until 2026-11-29 each was refused: DeepSpeed's ZeRO-3 loader
+    partitions a full TP weight as it is, and its ZeRO 1-2 loader reads model-states files that a ZeRO-3
+    checkpoint names otherwise. Loss and grad norm continue the uninterrupted run within 1e-4."""
     run, resume = staged_runs(tmp_path)
 
     z3_tp2, z1_dp2 = run_configs(2, [run("z3_tp2", 3, "parallel.tp=2"), run("z1_dp2", 1)], tmp_path)
-    merged, merged_cpu, merged_z0, split = run_configs(2, [
+    merged, merged_cpu, merged_z0, split, to_z2, to_z1_cpu = run_configs(2, [
         resume("merged", "z3_tp2", 3), resume("merged_cpu", "z3_tp2", 3, "zero.offload_optimizer=cpu"),
-        resume("merged_z0", "z3_tp2", 0), resume("split", "z1_dp2", 3, "parallel.tp=2")], tmp_path)
+        resume("merged_z0", "z3_tp2", 0), resume("split", "z1_dp2", 3, "parallel.tp=2"),
+        resume("to_z2", "z3_tp2", 2), resume("to_z1_cpu", "z3_tp2", 1, "zero.offload_optimizer=cpu")], tmp_path)
     for resumed, straight, what in ((merged, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2"),
                                     (merged_cpu, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2 with CPU Adam"),
                                     (merged_z0, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=0 at tp 1 x dp 2"),
-                                    (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2")):
+                                    (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2"),
+                                    (to_z2, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=2 at tp 1 x dp 2"),
+                                    (to_z1_cpu, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=1 with CPU Adam")):
         assert len(resumed["losses"]) == 4, what
         assert_continues(resumed, straight, 1e-4, f"{what} resume")
 
 
 def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
-    """bf16, where the stages keep different formats (ZeRO-0 fp32 parameters under autocast, ZeRO-1 bf16 ones
-    beside fp32 masters; check_resume lets a conversion through ZeRO-0 pass, since every state is a full fp32
-    tensor on the way): ZeRO-0 -> ZeRO-1 and ZeRO-1 -> ZeRO-0 at step 4 of 8 follow the straight run of the
-    stage they continue in within 5e-2. The stages' own straight runs part by up to 3.1e-2 by step 8 (measured;
-    the resumed runs by 2.6e-2 and 1.8e-2); a lost moment or step count moves the losses by ~1."""
-    def run(name: str, stage: int, *extra: str) -> list[str]:
-        return overrides(tmp_path, name, *STEPS8, "train.precision=bf16", f"zero.stage={stage}",
+    """bf16, where the stages keep different formats (ZeRO-0 fp32 parameters under autocast, ZeRO 1-2 bf16 ones
+    beside fp32 masters; every state is a full fp32 tensor in the universal form): ZeRO-0 -> ZeRO-1 and ZeRO-1 ->
+    ZeRO-0 at step 4 of 8 follow the straight run of the stage they continue in within 5e-2; so do a change of
+    precision, which converts (refused until 2026-11-29): bf16 ZeRO-1 (DeepSpeed's bf16 optimizer) resumed in
+    fp32 at ZeRO-2, and fp32 ZeRO-2 resumed in bf16, each against the straight run it continues. The stages'
+    own straight runs part by up to 3.1e-2 by step 8 (measured; the resumed runs by 2.6e-2, 1.8e-2, 1.4e-2 and
+    2.1e-2); a lost moment or step count moves the losses by ~1."""
+    def run(name: str, stage: int, *extra: str, precision: str = "bf16") -> list[str]:
+        return overrides(tmp_path, name, *STEPS8, f"train.precision={precision}", f"zero.stage={stage}",
                          "checkpoint.interval=4", *extra)
 
-    z0, z1 = run_configs(2, [run("z0", 0), run("z1", 1)], tmp_path)
-    to_z1, to_z0 = run_configs(2, [
-        run(f"{name}_to_z{stage}", stage, f"checkpoint.dir={tmp_path}/{name}_to_z{stage}_ckpt",
-            f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
-        for name, stage in (("z0", 1), ("z1", 0))], tmp_path)
-    for resumed, straight, what in ((to_z1, z1, "ZeRO-0 -> ZeRO-1"), (to_z0, z0, "ZeRO-1 -> ZeRO-0")):
+    def resume(name: str, stage: int, source: str, precision: str = "bf16") -> list[str]:
+        return run(name, stage, f"checkpoint.dir={tmp_path}/{name}_ckpt",
+                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}", precision=precision)
+
+    z0, z1, z2_fp32 = run_configs(2, [run("z0", 0), run("z1", 1), run("z2_fp32", 2, precision="fp32")], tmp_path)
+    to_z1, to_z0, to_fp32, to_bf16 = run_configs(2, [
+        resume("z0_to_z1", 1, "z0"), resume("z1_to_z0", 0, "z1"), resume("z1_to_fp32_z2", 2, "z1", "fp32"),
+        resume("z2_fp32_to_bf16", 2, "z2_fp32")], tmp_path)
+    for resumed, straight, what in ((to_z1, z1, "ZeRO-0 -> ZeRO-1"), (to_z0, z0, "ZeRO-1 -> ZeRO-0"),
+                                    (to_fp32, z1, "ZeRO-1 -> fp32 ZeRO-2"),
+                                    (to_bf16, z2_fp32, "fp32 ZeRO-2 -> bf16 ZeRO-2")):
         assert len(resumed["losses"]) == 4, what
         gap = max_abs_diff(resumed["losses"], straight["losses"][-4:])
         assert gap <= 5e-2, f"bf16 {what} at step 4: losses differ from the straight run by {gap:.2e}"

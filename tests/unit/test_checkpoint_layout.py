@@ -1,13 +1,11 @@
-"""Which resumes go through DeepSpeed's universal format (a layout change does, the same layout never does),
-which precision changes a resume refuses, when RNG streams continue, and how a data-stream change is named."""
+"""Which resumes go through DeepSpeed's universal format (a layout change does, the same layout never does; so
+does a change of the state format a precision gives), when RNG streams continue, and how a data-stream change
+is named."""
 
 import json
 
-import pytest
-
 from megatron_lite.checkpoint.resume import data_stream_changes
 from megatron_lite.cli import load
-from megatron_lite.errors import ConfigError
 from megatron_lite.layout import Layout
 
 
@@ -63,8 +61,10 @@ def test_layout_round_trips_through_meta_and_owns_the_accumulation():
     assert back == here and here.same_as(back) and not here.needs_conversion(back)
 
 
-def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_path):
-    """bf16 on ZeRO 1-3 writes DeepSpeed's bf16 states; fp32, and bf16 on ZeRO-0 (autocast), write fp32 ones."""
+def test_resume_in_another_precision_converts_where_the_format_differs(tmp_path):
+    """bf16 on ZeRO 1-3 writes DeepSpeed's bf16 states; fp32, and bf16 on ZeRO-0 (autocast), write fp32 ones.
+    A resume in the other format goes through the universal form (our loaders read full fp32 tensors); it was
+    refused until 2026-11-29, when DeepSpeed's loader served ZeRO 1-2."""
     def resume(saved_precision: str, saved_stage: int, *overrides: str):
         ckpt = tmp_path / f"{saved_precision}_{saved_stage}"
         ckpt.mkdir(exist_ok=True)
@@ -76,10 +76,18 @@ def test_resume_in_another_precision_is_refused_where_the_format_differs(tmp_pat
 
     resume("bf16", 1, "train.precision=bf16", "zero.stage=2")  # same format
     resume("bf16", 0, "train.precision=fp32", "zero.stage=0")  # ZeRO-0 bf16 keeps fp32 parameters
-    with pytest.raises(ConfigError, match=r"train.precision=fp32 .* use train.precision=bf16"):
-        resume("bf16", 1, "train.precision=fp32", "zero.stage=1")
-    with pytest.raises(ConfigError, match=r"train.precision=bf16 .* use train.precision=fp32"):
-        resume("fp32", 2, "train.precision=bf16", "zero.stage=2")
+    resume("bf16", 1, "train.precision=fp32", "zero.stage=1")  # converts
+    resume("fp32", 2, "train.precision=bf16", "zero.stage=2")
+
+    def at(precision: str | None, zero_stage: int) -> Layout:
+        return Layout(world_size=2, dp=2, zero_stage=zero_stage, precision=precision, layers_per_stage=(4,))
+
+    for stage in (1, 2, 3):
+        assert at("bf16", stage).needs_conversion(at("fp32", stage)), stage
+        assert at("fp32", stage).needs_conversion(at("bf16", stage)), stage
+        assert not at("bf16", stage).needs_conversion(at("bf16", stage)), stage
+        assert not at("bf16", stage).needs_conversion(at(None, stage)), stage  # older checkpoints: as before
+    assert not at("bf16", 0).needs_conversion(at("fp32", 0))  # ZeRO-0 holds fp32 in either precision
 
 
 def test_rng_streams_continue_only_at_the_same_layout():
