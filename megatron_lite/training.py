@@ -67,7 +67,8 @@ def _said_if_unwritable(root: str, step: int):
             read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
         except OSError:
             raise err from None
-        code = getattr(err, "errno", None)
+        cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # a background write's own error
+        code = getattr(cause, "errno", None)
         if read_only or code == errno.EROFS:
             why, fix = "is read-only", "make it writable (or copy the checkpoints to a writable checkpoint.dir)"
         elif free < DISK_FULL_BYTES or code == errno.ENOSPC:
@@ -76,7 +77,7 @@ def _said_if_unwritable(root: str, step: int):
             raise
         latest = checkpoint_store.latest_checkpoint(root)
         raise RunError(f"checkpoint of step {step} could not be written: checkpoint.dir={root} {why} "
-                       f"({type(err).__name__}: {str(err)[:120]}); "
+                       f"({type(cause).__name__}: {' '.join(str(cause).split())[:120]}); "
                        + (f"the last committed checkpoint, {latest}, is intact" if latest else "none was committed yet")
                        + f": {fix} and resume") from err
 
@@ -372,7 +373,7 @@ class Trainer:
                 record.update(self.save(step))
             if self.writer is not None:  # an asynchronous save's write time, on the step it is known
                 last = stopped or fatal or step == cfg.train.steps
-                with _said_if_unwritable(cfg.checkpoint.dir, step):
+                with _said_if_unwritable(cfg.checkpoint.dir, self.writer.step):  # the save in flight's step
                     written = self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
                                             if last else self.writer.finished())
                 if written and "ckpt_write_s" in record:  # this step's save waited for the one before: both known
@@ -450,11 +451,14 @@ class Trainer:
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
         t0, out = time.perf_counter(), {}
+        if self.writer is not None:  # the previous save may still be being written: wait (the wait counts as
+            # blocked) and report it; a failure is its step's, not this one's
+            with _said_if_unwritable(cfg.checkpoint.dir, self.writer.step):
+                out = self._written(self.writer.wait(reason=f"checkpoint of step {step}"))
         with _said_if_unwritable(cfg.checkpoint.dir, step):
             if self.writer is None:
                 path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
-            else:  # the previous save is still being written: wait for it (the wait counts as blocked), report it
-                out = self._written(self.writer.wait(reason=f"checkpoint of step {step}"))
+            else:
                 path = checkpoint.save_async(self.engine, ctx, cfg.checkpoint.dir, step, meta_out,
                                              cfg.checkpoint.keep, self.writer)
         blocked = time.perf_counter() - t0
