@@ -120,9 +120,11 @@ def _hf_config(cfg: ModelConfig, flavour: str, special: dict | None = None):
 
     if flavour == "gpt2":
         if not (cfg.norm == "layernorm" and cfg.activation == "gelu" and cfg.bias and cfg.kv_heads == cfg.n_heads):
+            instead = "export as llama instead" if cfg.position == "rope" else \
+                "Llama needs RoPE, so no transformers class holds this learned-position model"
             _refuse("GPT-2 export of norm/activation/bias/n_kv_heads",
                     f"{cfg.norm}/{cfg.activation}/{cfg.bias}/{cfg.kv_heads}",
-                    f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; export as llama instead")
+                    f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; {instead}")
         return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
                           n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
                           layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,

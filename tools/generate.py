@@ -1,5 +1,8 @@
 """Sample text from a checkpoint: its weights as a transformers model (the conversion `convert_hf.py export`
-writes, made in memory) and transformers' `generate`, with the tokenizer its data was made with.
+writes, made in memory) and transformers' `generate`, with the tokenizer its data was made with. A model no
+transformers class holds (learned positions with RMSNorm, SwiGLU, no biases or grouped KV heads: the trainer
+takes any mix) is sampled with our own model under the same rules (transformers' logits processors), without
+a KV cache: each new token re-reads the sequence, fine for the small models such mixes are tried on.
 
     python tools/generate.py runs/default/checkpoints --prompt "ROMEO:"               # sampled, 100 tokens
     python tools/generate.py runs/default/checkpoints --prompt "ROMEO:" --greedy
@@ -22,11 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.checkpoint.store import read_meta  # noqa: E402
 from megatron_lite.checkpoint.weights import load_model_state, step_dir  # noqa: E402
-from tools.convert_hf import ours_to_hf, special_tokens, tokenizer_dir  # noqa: E402
+from megatron_lite.model.gpt import GPT  # noqa: E402
+from tools.convert_hf import ConversionError, ours_to_hf, special_tokens, tokenizer_dir  # noqa: E402
 
 
 def load(checkpoint: str, tokenizer: str | None = None, device: str = "cpu"):
-    """(HF model in eval mode, its tokenizer, our ModelConfig) for a checkpoint."""
+    """(model in eval mode, its tokenizer, our ModelConfig) for a checkpoint: a transformers model, or our GPT
+    (with its end-of-document id as `eos_token_id`) where no transformers class holds the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     meta = read_meta(step_dir(checkpoint))
@@ -35,9 +40,18 @@ def load(checkpoint: str, tokenizer: str | None = None, device: str = "cpu"):
         raise SystemExit(f"generate: no tokenizer is known for {checkpoint} (an import, or its data is gone); "
                          "pass --tokenizer DIR")
     cfg, state = load_model_state(checkpoint)
-    hf_cfg, hf_state = ours_to_hf(cfg, state, None, special_tokens(meta))
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    model.load_state_dict(hf_state, strict=True)
+    special = special_tokens(meta)
+    try:
+        hf_cfg, hf_state = ours_to_hf(cfg, state, None, special)
+    except ConversionError as err:
+        print(f"generate: no transformers class holds this model ({err}); sampling with megatron_lite's own model, "
+              "without a KV cache", file=sys.stderr)
+        model = GPT(cfg)
+        model.load_state_dict(state, strict=True)
+        model.eos_token_id = special.get("eos_token_id")
+    else:
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        model.load_state_dict(hf_state, strict=True)
     return model.to(device).eval(), AutoTokenizer.from_pretrained(tokenizer), cfg
 
 
@@ -47,7 +61,8 @@ def generate(model, tokenizer, cfg, prompt: str, max_new_tokens: int, greedy: bo
     """(the prompt's token ids as read (1, p), `num` continuations' new token ids (num, n))."""
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-    eos = model.config.eos_token_id if model.config.eos_token_id is not None else tokenizer.eos_token_id
+    eos = model.eos_token_id if isinstance(model, GPT) else model.config.eos_token_id
+    eos = eos if eos is not None else tokenizer.eos_token_id
     if ids.shape[1] == 0:  # nothing to condition on: start from the end-of-document token, as the data does
         if eos is None:
             raise SystemExit("generate: an empty --prompt needs an end-of-document token, and none is known")
@@ -61,12 +76,41 @@ def generate(model, tokenizer, cfg, prompt: str, max_new_tokens: int, greedy: bo
             max_new_tokens = cfg.seq_len - ids.shape[1]
             print(f"generate: {max_new_tokens} new tokens at most (model.seq_len={cfg.seq_len})", file=sys.stderr)
     torch.manual_seed(seed)
+    if isinstance(model, GPT):
+        return ids, _continue_with_ours(model, cfg.vocab_size, ids, max_new_tokens, greedy, temperature, top_k,
+                                        top_p, num, eos)
     sampling = {} if greedy else {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=not greedy, num_return_sequences=num,
                              pad_token_id=eos if eos is not None else 0, **sampling)
     return ids, out[:, ids.shape[1]:]
+
+
+@torch.no_grad()
+def _continue_with_ours(model: GPT, vocab: int, ids: torch.Tensor, max_new_tokens: int, greedy: bool,
+                        temperature: float, top_k: int, top_p: float, num: int, eos: int | None) -> torch.Tensor:
+    """`num` continuations' new token ids, chosen as transformers' generate chooses them (its logits processors,
+    in its order: the end of document held back until max_new_tokens, then temperature, top-k, top-p; softmax
+    and one multinomial draw per step, or the argmax) from our model's last-position logits."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    rules = LogitsProcessorList()
+    if eos is not None:
+        rules.append(MinNewTokensLengthLogitsProcessor(ids.shape[1], max_new_tokens, eos, device=ids.device))
+    if not greedy and temperature != 1.0:
+        rules.append(TemperatureLogitsWarper(temperature))
+    if not greedy and top_k != 0:
+        rules.append(TopKLogitsWarper(top_k))
+    if not greedy and top_p < 1.0:
+        rules.append(TopPLogitsWarper(top_p))
+    start, ids = ids.shape[1], ids.repeat(num, 1)
+    for _ in range(max_new_tokens):
+        scores = rules(ids, model(ids)[:, -1, :vocab].float())
+        chosen = scores.argmax(-1) if greedy else torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
+        ids = torch.cat([ids, chosen[:, None]], dim=1)
+    return ids[:, start:]
 
 
 def main(argv: list[str] | None = None) -> None:
