@@ -388,7 +388,8 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
     micro = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size * dp else 0
     if p.schedule != "gpipe" and 0 < micro < p.pp:
         _fail("train.global_batch_size", t.global_batch_size, f"gives {micro} micro-batches per pipeline "
-              f"(micro_batch_size={t.micro_batch_size} x dp={dp}), fewer than parallel.pp={p.pp}, which 1F1B needs",
+              f"(micro_batch_size={t.micro_batch_size} x dp={dp}), fewer than parallel.pp={p.pp}, which the "
+              f"{resolve_schedule(p.schedule, p.vpp)} schedule needs (every one but gpipe)",
               f"use train.global_batch_size>={p.pp * t.micro_batch_size * dp} or parallel.schedule=gpipe")
 
 
