@@ -429,10 +429,12 @@ def _load_zero12_universal(engine, zero_dir: str) -> None:
     for name, module, attr in parameter_slots(model):
         slots.setdefault(id(module._parameters[attr]), (name, module, attr))  # a tied weight: its first name
     step_of = _universal_steps(zero_dir)
+    # Every group's partition gets the step, also one holding no parameter's slice (a small group over many
+    # ranks: its Adam would find moments without a step)
+    step = _one_step({step_of(name) for name, _, _ in slots.values()})
     for group, params in zip(zero.optimizer.param_groups, lp_groups):
         master = group["params"][0]  # this rank's flat fp32 partition of the group
         flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
-        steps = set()
         for param in params:
             fragment = param._hp_mapping
             if fragment is None:  # wholly in other ranks' partitions
@@ -445,7 +447,6 @@ def _load_zero12_universal(engine, zero_dir: str) -> None:
                 assert part.shape == param.shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, " \
                                                   f"the model holds {tuple(param.shape)}"
                 flat.narrow(0, to.start, to.numel).copy_(part.reshape(-1).narrow(0, at.start, at.numel))
-            steps.add(step_of(name))
         master.copy_(flats.pop("fp32"))
         state = zero.optimizer.state[master]
         for key, flat in flats.items():
@@ -453,8 +454,7 @@ def _load_zero12_universal(engine, zero_dir: str) -> None:
                 state[key].copy_(flat)
             else:
                 state[key] = flat
-        if steps:
-            state["step"] = _adam_step(zero.optimizer, master, _one_step(steps))
+        state["step"] = _adam_step(zero.optimizer, master, step)
     zero.update_lp_params()
 
 
