@@ -41,6 +41,9 @@ def notes(cfg: Config) -> list[str]:
     t, o, out = cfg.train, cfg.optim, []
     if cfg.parallel.sp and cfg.parallel.tp == 1:
         out.append("parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)")
+    if cfg.parallel.pp == 1 and cfg.parallel.schedule != "auto":  # (zb_h1 and zbv at pp=1 are refused)
+        out.append(f"parallel.schedule={cfg.parallel.schedule} does nothing at parallel.pp=1 (it orders a pipeline's "
+                   "micro-batches)")
     if o.warmup_steps > t.steps:
         out.append(f"optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the run ends in its warmup, at a "
                    f"learning rate of {o.lr * t.steps / o.warmup_steps:.3g} (optim.lr={o.lr})")

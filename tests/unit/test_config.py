@@ -194,9 +194,11 @@ def test_settings_that_do_nothing_are_named(data_dir):
 
     assert notes(load([f"data.path={data_dir}"], world_size=1)) == []
     cfg = load([f"data.path={data_dir}", "parallel.sp=true", "train.steps=50", "optim.warmup_steps=100",
-                "train.eval_interval=60", "train.eval_per_dataset=true", "train.recompute_every=2"], world_size=1)
+                "train.eval_interval=60", "train.eval_per_dataset=true", "train.recompute_every=2",
+                "parallel.schedule=interleaved"], world_size=1)
     assert notes(cfg) == [
         "parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)",
+        "parallel.schedule=interleaved does nothing at parallel.pp=1 (it orders a pipeline's micro-batches)",
         "optim.warmup_steps=100 > train.steps=50: the run ends in its warmup, at a learning rate of 0.0005 "
         "(optim.lr=0.001)",
         "train.eval_per_dataset=true does nothing with one data.path (val_loss is that dataset's)",
