@@ -49,11 +49,11 @@ def recorded_path(path: str) -> str:
     return os.path.relpath(full, ROOT) if full.startswith(ROOT + os.sep) else full
 
 
-def _builder(path: str) -> str:
+def _builder(path: str, tool: str) -> str:
     stem = path[:-3] if path.endswith(".gz") else path
     ext = os.path.splitext(stem)[1]
     if ext not in BUILDERS:
-        raise SystemExit(f"prepare_data: {path} has an unsupported type {ext!r}; use .txt, .json, .jsonl or .parquet")
+        raise SystemExit(f"{tool}: {path} has an unsupported type {ext!r}; use .txt, .json, .jsonl or .parquet")
     return BUILDERS[ext]
 
 
@@ -69,16 +69,16 @@ def _prepared(directory: str) -> bool:
         os.path.isfile(os.path.join(directory, "meta.json")) and os.path.isfile(os.path.join(directory, "train.bin"))
 
 
-def collect_files(inputs: list[str]) -> dict[str, list[str]]:
-    """Group input files by HF `datasets` builder (text/json/parquet)."""
+def collect_files(inputs: list[str], tool: str = "prepare_data") -> dict[str, list[str]]:
+    """Group input files by HF `datasets` builder (text/json/parquet). tool: the program its messages name."""
     groups: dict[str, list[str]] = {}
     for item in inputs:
         item = _resolve(item)
         if not os.path.exists(item):
-            raise SystemExit(f"prepare_data: --input {item} does not exist")
+            raise SystemExit(f"{tool}: --input {item} does not exist")
         if os.path.isdir(item) and all(os.path.isfile(os.path.join(item, f)) for f in ("state.json",
                                                                                          "dataset_info.json")):
-            raise SystemExit(f"prepare_data: --input {item} is a datasets.save_to_disk directory, which is not read "
+            raise SystemExit(f"{tool}: --input {item} is a datasets.save_to_disk directory, which is not read "
                              "here; write it out with ds.to_json('docs.jsonl') or ds.to_parquet('docs.parquet')")
         if os.path.isdir(item):
             found = []
@@ -87,14 +87,14 @@ def collect_files(inputs: list[str]) -> dict[str, list[str]]:
                 found += [os.path.join(d, f) for f in sorted(fs)]
             files = [f for f in found if _supported(f)]
             if skipped := [os.path.relpath(f, item) for f in found if not _supported(f)]:
-                print(f"prepare_data: skipping {len(skipped)} file(s) of other types in {item}: "
+                print(f"{tool}: skipping {len(skipped)} file(s) of other types in {item}: "
                       f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
             if not files:
-                raise SystemExit(f"prepare_data: --input {item} holds no .txt, .json, .jsonl or .parquet files")
+                raise SystemExit(f"{tool}: --input {item} holds no .txt, .json, .jsonl or .parquet files")
         else:
             files = [item]
         for f in files:
-            groups.setdefault(_builder(f), []).append(f)
+            groups.setdefault(_builder(f, tool), []).append(f)
     return groups
 
 
@@ -110,7 +110,7 @@ def _load(datasets, builder: str, files: list[str], cache_dir: str):
     return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
 
 
-def _unreadable(datasets, builder: str, files: list[str], err: Exception, cache_dir: str) -> SystemExit:
+def _unreadable(datasets, builder: str, files: list[str], err: Exception, cache_dir: str, tool: str) -> SystemExit:
     """One line naming the file that fails (found by reading the group's files one at a time) and why."""
     for path in files if len(files) > 1 else []:
         try:
@@ -120,15 +120,15 @@ def _unreadable(datasets, builder: str, files: list[str], err: Exception, cache_
             break
     cause = _innermost(err)
     first = (str(cause).strip().splitlines() or [""])[0][:200]
-    return SystemExit(f"prepare_data: {', '.join(files[:3])} could not be read as {builder} "
+    return SystemExit(f"{tool}: {', '.join(files[:3])} could not be read as {builder} "
                       f"({type(cause).__name__}{': ' + first if first else ''}); check the file's format"
                       + (" (text is read as UTF-8)" if isinstance(cause, UnicodeDecodeError) else ""))
 
 
-def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
+def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str, tool: str = "prepare_data"):
     """One dataset with a single "text" column, one row per document. Empty files are dropped from `groups`
     (so they are not listed as sources); --text-key names the field of json/parquet records (a .txt file is one
-    document)."""
+    document). tool: the program its messages name."""
     import datasets
 
     # HF_DATASETS_OFFLINE (set above) is read when `datasets` is first imported; an in-process caller may
@@ -139,7 +139,7 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
         for builder, files in list(groups.items()):
             empty = [f for f in files if os.path.getsize(f) == 0]
             if empty:
-                print(f"prepare_data: skipping {len(empty)} empty file(s): {', '.join(empty[:3])}", file=sys.stderr)
+                print(f"{tool}: skipping {len(empty)} empty file(s): {', '.join(empty[:3])}", file=sys.stderr)
                 files = groups[builder] = [f for f in files if f not in empty]
                 if not files:
                     del groups[builder]
@@ -147,28 +147,28 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str):
             try:
                 ds = _load(datasets, builder, files, cache_dir)
             except Exception as err:  # datasets' own errors name neither the file nor the cause on one line
-                raise _unreadable(datasets, builder, files, err, cache_dir) from None
+                raise _unreadable(datasets, builder, files, err, cache_dir, tool) from None
             key = "text" if builder == "text" else text_key
             if key not in ds.column_names:
-                raise SystemExit(f"prepare_data: --text-key {key} is not a field of {files[0]} "
+                raise SystemExit(f"{tool}: --text-key {key} is not a field of {files[0]} "
                                  f"(fields: {', '.join(ds.column_names)})")
             kind = ds.features[key]
             if not (isinstance(kind, datasets.Value) and kind.dtype in ("string", "large_string")):
-                raise SystemExit(f"prepare_data: --text-key {key} of {', '.join(files[:3])} holds {kind}, not text; "
+                raise SystemExit(f"{tool}: --text-key {key} of {', '.join(files[:3])} holds {kind}, not text; "
                                  "give the field that holds each document's text as a string")
             parts.append(ds.select_columns([key]).rename_column(key, "text") if key != "text"
                          else ds.select_columns(["text"]))
     finally:
         datasets.config.HF_HUB_OFFLINE = was_offline
     if not parts:
-        raise SystemExit("prepare_data: every input file is empty; give files that hold documents")
+        raise SystemExit(f"{tool}: every input file is empty; give files that hold documents")
     docs = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     import pyarrow.compute as pc
 
     # a record with the field null or absent (null in the column) or "" has no text: not a document
     empty = pc.fill_null(pc.equal(pc.binary_length(docs.data.column("text")), 0), True).to_numpy(zero_copy_only=False)
     if empty.any():
-        print(f"prepare_data: skipping {int(empty.sum())} record(s) without text in {text_key!r} (null, missing or "
+        print(f"{tool}: skipping {int(empty.sum())} record(s) without text in {text_key!r} (null, missing or "
               "empty)", file=sys.stderr)
         docs = docs.select(np.flatnonzero(~empty))
     return docs

@@ -80,7 +80,7 @@ def train_on_documents(inputs: list[str], out_dir: str, vocab_size: int, text_ke
         raise SystemExit(f"train_tokenizer: --vocab-size {vocab_size} is below the 256 bytes plus eos a byte-level "
                          "BPE starts from; use e.g. 8192 or 32000")
     with tempfile.TemporaryDirectory() as cache:
-        docs = load_documents(collect_files(inputs), text_key, cache)
+        docs = load_documents(collect_files(inputs, "train_tokenizer"), text_key, cache, "train_tokenizer")
         if len(docs) == 0:
             raise SystemExit(f"train_tokenizer: --input {' '.join(inputs)} holds no documents")
         train_bpe(out_dir, vocab_size, (text for batch in docs.iter(batch_size=1000) for text in batch["text"]))
