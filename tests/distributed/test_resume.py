@@ -30,6 +30,13 @@ def assert_continues(resumed: dict, straight: dict, tol: float, what: str) -> No
     assert norms <= tol, f"{what}: grad norms differ from the straight run by {norms:.2e} (relative)"
 
 
+def assert_each_continues(cases, what_before: str = "") -> None:
+    """Each (resumed, straight, what) case ran its 4 resumed steps and continues its straight run within 1e-4."""
+    for resumed, straight, what in cases:
+        assert len(resumed["losses"]) == 4, what
+        assert_continues(resumed, straight, 1e-4, f"{what_before}{what} resume")
+
+
 def straight_then_resumed(nproc: int, tmp_path, layout: list[str]) -> tuple[dict, dict]:
     """8 straight steps saving at 4, then a fresh `nproc`-rank world resuming from step 4 (same layout)."""
     return straights_then_resumed(nproc, tmp_path, {"straight": layout})["straight"]
@@ -170,11 +177,9 @@ def test_elastic_dp_resume_zero3_and_growing(tmp_path):
         resume_at(tmp_path, "z3_4", layouts["z3"], 2)], tmp_path)
     z2_2to4, z3_2to4 = run_configs(4, [resume_at(tmp_path, f"{name}_2", layout, 4) for name, layout in layouts.items()],
                                    tmp_path)
-    for resized, straight, what in ((z3_4to2, z3_at4, "zero.stage=3: DP 4 -> 2"),
-                                    (z2_2to4, z2_at2, "zero.stage=2: DP 2 -> 4"),
-                                    (z3_2to4, z3_at2, "zero.stage=3: DP 2 -> 4")):
-        assert len(resized["losses"]) == 4, what
-        assert_continues(resized, straight, 1e-4, f"{what} resume")
+    assert_each_continues(((z3_4to2, z3_at4, "zero.stage=3: DP 4 -> 2"),
+                           (z2_2to4, z2_at2, "zero.stage=2: DP 2 -> 4"),
+                           (z3_2to4, z3_at2, "zero.stage=3: DP 2 -> 4")))
 
 
 @pytest.mark.parametrize("stage,tp_to,nproc_to", [(1, 1, 2), pytest.param(2, 4, 4, marks=pytest.mark.slow)])
@@ -215,15 +220,14 @@ def test_zero0_resharding_on_resume(tmp_path):
         resume("resplit", "z0_whole", 0, *split), resume("resplit_z1", "z1_whole", 0, *split),
         resume("z1_tp2", "z1_whole", 1, "parallel.tp=2"), resume("z0_tp2_z2", "z0_whole", 2, "parallel.tp=2"),
         resume("z1_split", "z1_whole", 1, *split)], tmp_path)
-    for resumed, straight, what in ((merged, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2"),
-                                    (merged_z1, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2 at zero.stage=1"),
-                                    (resplit, z0_whole, "tp 1 x dp 2 -> tp 2 x pp 2"),
-                                    (resplit_z1, z1_whole, "zero.stage=1 at tp 1 x dp 2 -> tp 2 x pp 2"),
-                                    (z1_tp2, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x dp 2"),
-                                    (z0_tp2_z2, z0_whole, "tp 1 x dp 2 -> zero.stage=2 at tp 2 x dp 2"),
-                                    (z1_split, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x pp 2")):
-        assert len(resumed["losses"]) == 4, what
-        assert_continues(resumed, straight, 1e-4, f"zero.stage=0: {what} resume")
+    assert_each_continues(((merged, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2"),
+                           (merged_z1, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2 at zero.stage=1"),
+                           (resplit, z0_whole, "tp 1 x dp 2 -> tp 2 x pp 2"),
+                           (resplit_z1, z1_whole, "zero.stage=1 at tp 1 x dp 2 -> tp 2 x pp 2"),
+                           (z1_tp2, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x dp 2"),
+                           (z0_tp2_z2, z0_whole, "tp 1 x dp 2 -> zero.stage=2 at tp 2 x dp 2"),
+                           (z1_split, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x pp 2")),
+                          "zero.stage=0: ")
 
 
 def test_zero3_resharding_on_resume(tmp_path):
@@ -241,14 +245,12 @@ def test_zero3_resharding_on_resume(tmp_path):
         resume("merged", "z3_tp2", 3), resume("merged_cpu", "z3_tp2", 3, "zero.offload_optimizer=cpu"),
         resume("merged_z0", "z3_tp2", 0), resume("split", "z1_dp2", 3, "parallel.tp=2"),
         resume("to_z2", "z3_tp2", 2), resume("to_z1_cpu", "z3_tp2", 1, "zero.offload_optimizer=cpu")], tmp_path)
-    for resumed, straight, what in ((merged, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2"),
-                                    (merged_cpu, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2 with CPU Adam"),
-                                    (merged_z0, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=0 at tp 1 x dp 2"),
-                                    (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2"),
-                                    (to_z2, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=2 at tp 1 x dp 2"),
-                                    (to_z1_cpu, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=1 with CPU Adam")):
-        assert len(resumed["losses"]) == 4, what
-        assert_continues(resumed, straight, 1e-4, f"{what} resume")
+    assert_each_continues(((merged, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2"),
+                           (merged_cpu, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2 with CPU Adam"),
+                           (merged_z0, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=0 at tp 1 x dp 2"),
+                           (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2"),
+                           (to_z2, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=2 at tp 1 x dp 2"),
+                           (to_z1_cpu, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=1 with CPU Adam")))
 
 
 def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
