@@ -316,6 +316,9 @@ class Trainer:
                 else None
             if lr_change:
                 say(f"warning: {lr_change}")
+        elif meta is not None and meta["kind"] == "weights":  # an import (step 0): its weights, all else afresh
+            say(f"starting from the weights of {resume_path} (weights only: a new optimizer, schedule and data "
+                "stream from step 1)")
         for note in notes(cfg):
             say(f"warning: {note}")
         if self.start_step >= cfg.train.steps:

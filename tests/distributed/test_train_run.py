@@ -179,6 +179,22 @@ def test_an_evaluation_larger_than_the_validation_split_is_said(tmp_path):
             "than the validation split has (data/shakespeare-8k holds 360 for its 400)") in out.stdout, out.stdout
 
 
+def test_a_run_from_imported_weights_says_so(tmp_path):
+    """A weights-only checkpoint (what an HF import writes) starts a run at step 0, which the start of the run
+    says (until 2026-11-29 nothing did: noticed from outside), naming what starts afresh."""
+    from megatron_lite.checkpoint.weights import save_model_state
+    from megatron_lite.cli import compose_config
+    from megatron_lite.model.gpt import GPT
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.to_object(compose_config([])).model
+    save_model_state(str(tmp_path / "imported"), model_cfg, GPT(model_cfg, seed=5).state_dict())
+    out = train(tmp_path / "run", "train.steps=1", "train.eval_interval=0", "checkpoint.interval=0",
+                "logging.wandb.mode=disabled", f"checkpoint.resume={tmp_path}/imported/{step_name(0)}")
+    assert (f"starting from the weights of {tmp_path}/imported/{step_name(0)} (weights only: a new optimizer, "
+            "schedule and data stream from step 1)") in out.stdout, out.stdout
+
+
 def test_resume_never_keeps_the_checkpoints_already_there(tmp_path):
     """checkpoint.resume=never into a checkpoint.dir that holds an earlier run's checkpoints: the new run's pruning
     (keep=1) deleted them without a word until 2026-11-29 (found by trying it from outside), and a later
