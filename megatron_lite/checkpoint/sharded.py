@@ -342,29 +342,49 @@ def with_vocab_rows(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor[:rows], padding])
 
 
+def _slots_by_parameter(model) -> dict[int, tuple]:
+    """id(parameter) -> (global name, module, attribute) of each parameter this rank holds; a tied weight under
+    its first name."""
+    from megatron_lite.model.init import parameter_slots
+
+    slots = {}
+    for name, module, attr in parameter_slots(model):
+        slots.setdefault(id(module._parameters[attr]), (name, module, attr))
+    return slots
+
+
+def _tp_share(zero_dir: str, model, slot: tuple, key: str, shape) -> torch.Tensor:
+    """This rank's TP share of the universal form's full `key` tensor (fp32, exp_avg, exp_avg_sq) of the
+    parameter in `slot`, cut as the model's build cuts it (model/init.local_part); checked against the `shape`
+    the model holds."""
+    from megatron_lite.model.init import local_part
+
+    name, module, attr = slot
+    part = local_part(module, attr, universal_tensor(zero_dir, name, key, *_rows_and_width(model.full_shapes[name])))
+    assert part.shape == shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, the model holds {tuple(shape)}"
+    return part
+
+
 @torch.no_grad()
 def _load_zero0_universal(engine, zero_dir: str) -> None:
     """A ZeRO-0 engine resuming a checkpoint of another TP size, pipeline layout or ZeRO stage: every parameter
     this rank holds and its AdamW moments and step, from the universal form's full tensors, cut to this rank's
     share as the model's build cuts them (model/init.local_part). Vocabulary rows are re-padded for this tp with zeros (the
     conversion drops the padding; padded rows never get a gradient, so their moments are zero too)."""
-    from megatron_lite.model.init import local_part, parameter_slots
+    from megatron_lite.model.init import parameter_slots
 
     model, optimizer = engine.model, engine.optimizer
     position = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
 
     step_of = _universal_steps(zero_dir)
-
-    def full(name: str, state: str) -> torch.Tensor:
-        return universal_tensor(zero_dir, name, state, *_rows_and_width(model.full_shapes[name]))
-
     states = {}
-    for name, module, attr in parameter_slots(model):
+    for slot in parameter_slots(model):
+        name, module, attr = slot
         param = module._parameters[attr]
-        param.copy_(local_part(module, attr, full(name, "fp32")))
+        param.copy_(_tp_share(zero_dir, model, slot, "fp32", param.shape))
         states[position[id(param)]] = {
             "step": torch.tensor(step_of(name), dtype=torch.float32),
-            **{key: local_part(module, attr, full(name, key)).clone() for key in ("exp_avg", "exp_avg_sq")}}
+            **{key: _tp_share(zero_dir, model, slot, key, param.shape).clone() for key in ("exp_avg", "exp_avg_sq")}}
     optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
@@ -421,13 +441,9 @@ def _load_zero12_universal(engine, zero_dir: str) -> None:
     patterns the checkpoint recorded (absent from a tp=1 checkpoint before 2026-11-28), reads the mp_rank files
     of a ZeRO 1-2 checkpoint (a ZeRO-3 one names them otherwise), keeps bf16 and fp32 states apart, and puts the
     saved groups' hyperparameters in place of this run's. This loader touches only the per-parameter states."""
-    from megatron_lite.model.init import local_part, parameter_slots
-
     model, zero = engine.model, engine.optimizer
     lp_groups = getattr(zero, "bit16_groups", None) or zero.bf16_groups  # ZeRO 1-2's optimizer or the bf16 one
-    slots = {}
-    for name, module, attr in parameter_slots(model):
-        slots.setdefault(id(module._parameters[attr]), (name, module, attr))  # a tied weight: its first name
+    slots = _slots_by_parameter(model)
     step_of = _universal_steps(zero_dir)
     # Every group's partition gets the step, also one holding no parameter's slice (a small group over many
     # ranks: its Adam would find moments without a step)
@@ -439,13 +455,9 @@ def _load_zero12_universal(engine, zero_dir: str) -> None:
             fragment = param._hp_mapping
             if fragment is None:  # wholly in other ranks' partitions
                 continue
-            name, module, attr = slots[id(param)]
             at, to = fragment.lp_fragment_address, fragment.hp_fragment_address
             for key, flat in flats.items():
-                full = universal_tensor(zero_dir, name, key, *_rows_and_width(model.full_shapes[name]))
-                part = local_part(module, attr, full)
-                assert part.shape == param.shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, " \
-                                                  f"the model holds {tuple(param.shape)}"
+                part = _tp_share(zero_dir, model, slots[id(param)], key, param.shape)
                 flat.narrow(0, to.start, to.numel).copy_(part.reshape(-1).narrow(0, at.start, at.numel))
         master.copy_(flats.pop("fp32"))
         state = zero.optimizer.state[master]
@@ -471,30 +483,22 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
     alone); it also reads the model-states files of a ZeRO-3 checkpoint, which a ZeRO 0-2 one names otherwise,
     and hands every group group 0's hyperparameters and one shared `step` tensor. This loader touches only the
     per-parameter states: the groups keep this run's hyperparameters, each sub-group its own step."""
-    from megatron_lite.model.init import local_part, parameter_slots
-
     model, zero3 = engine.model, engine.optimizer
-    slots = {}
-    for name, module, attr in parameter_slots(model):
-        slots.setdefault(id(module._parameters[attr]), (name, module, attr))  # a tied weight: its first name
+    slots = _slots_by_parameter(model)
     step_of, steps = _universal_steps(zero_dir), set()
     for sub_group, params in enumerate(zero3.fp16_groups):
         master = zero3.fp32_partitioned_groups_flat[sub_group]
         flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
         offset = 0
         for param in params:
-            name, module, attr = slots[id(param)]
             group = zero3._get_param_partition_group(param)
             world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
             numel = param.ds_tensor.ds_numel  # this rank's partition: ceil(TP-local numel / world)
             for key, flat in flats.items():
-                full = universal_tensor(zero_dir, name, key, *_rows_and_width(model.full_shapes[name]))
-                part = local_part(module, attr, full)
-                assert part.shape == param.ds_shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, " \
-                                                     f"the model holds {tuple(param.ds_shape)}"
+                part = _tp_share(zero_dir, model, slots[id(param)], key, param.ds_shape)
                 padded = torch.cat([part.reshape(-1), part.new_zeros(numel * world - part.numel())])
                 flat.narrow(0, offset, numel).copy_(padded.narrow(0, rank * numel, numel))
-            steps.add(step_of(name))
+            steps.add(step_of(slots[id(param)][0]))
             offset += numel
         assert offset == master.numel(), f"sub-group {sub_group}: {offset} loaded elements for {master.numel()}"
         master.copy_(flats.pop("fp32"))
