@@ -1,6 +1,7 @@
 """Checkpoints, one module per idea:
 
-- sharded: DeepSpeed's sharded save and load, the RNG streams, the universal conversion a layout change needs
+- sharded: DeepSpeed's sharded save and load, the RNG streams
+- universal: the layout-free form a change of layout, ZeRO stage or precision converts to, and our loaders of it
 - store: the files (step directories, the manifest, the commit with fsync, candidates, pruning)
 - resume: which checkpoint a run resumes (auto's fallback) and whether it can (layout, data-stream comparisons)
 - weights: weights-only checkpoints and full merged weights (HF import/export)

@@ -124,7 +124,7 @@ def data_stream_changes(saved_config: dict, cfg) -> list[str]:
 
 def check_resume(cfg) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError). Any other
-    layout, ZeRO stage or precision loads (through the universal form and our loaders, checkpoint/sharded.py,
+    layout, ZeRO stage or precision loads (through the universal form and our loaders, checkpoint/universal.py,
     which cut its full fp32 tensors as this run's model builds); a model of another shape does not, nor a run
     with its optimizer on NVMe."""
     from dataclasses import asdict

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.sharded import convert_to_universal, universal_dir, universal_tensor
+from megatron_lite.checkpoint.universal import convert_to_universal, universal_dir, universal_tensor
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
 
@@ -44,7 +44,7 @@ def _model_cfg_from_meta(meta: dict) -> ModelConfig:
 
 def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
     """Full fp32 weights of a tensor- or pipeline-parallel checkpoint, any ZeRO stage: the universal conversion
-    (checkpoint/sharded.py) merges the TP shards with the split patterns saved beside them and unions the
+    (checkpoint/universal.py) merges the TP shards with the split patterns saved beside them and unions the
     pipeline stages (parameter names are global; the tied embedding's two copies are equal); vocabulary rows
     come back unpadded."""
     from megatron_lite.model.gpt import padded_vocab_size

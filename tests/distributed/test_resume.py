@@ -198,7 +198,7 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
 
 
 def test_zero0_resharding_on_resume(tmp_path):
-    """ZeRO-0, the default stage, through the universal form (checkpoint/sharded.py): saved at tp=2 x pp=2 and
+    """ZeRO-0, the default stage, through the universal form (checkpoint/universal.py): saved at tp=2 x pp=2 and
     resumed at tp=1 x dp=2, at ZeRO-0 and at ZeRO-1; saved at tp=1 x dp=2 by ZeRO-0 and by ZeRO-1 and resumed at
     tp=2 x pp=2 under ZeRO-0 and ZeRO-1, and at tp=2 x dp=2 under ZeRO 1 and 2 (into tp x pp, DeepSpeed's
     loader, used for ZeRO 1-2 until 2026-11-29, asserted while our model-parallel unit reported a "slice" size
@@ -231,7 +231,7 @@ def test_zero0_resharding_on_resume(tmp_path):
 
 
 def test_zero3_resharding_on_resume(tmp_path):
-    """ZeRO-3 through our universal loaders (checkpoint/sharded.py): saved at tp=2 and resumed at tp=1 x dp=2,
+    """ZeRO-3 through our universal loaders (checkpoint/universal.py): saved at tp=2 and resumed at tp=1 x dp=2,
     into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a number), into
     ZeRO-0 (our cut), into ZeRO-2 and into ZeRO-1 with CPU Adam (the ZeRO 1-2 loader, whose optimizer creates
     its states at the first step: the loader makes them, a Python int step for CPU Adam); a ZeRO-1 checkpoint
@@ -283,7 +283,7 @@ def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
 
 def test_hf_export_from_tp2_equals_export_from_tp1(tmp_path):
     """Two steps at tp=1 and at tp=2 x dp=2 (ZeRO-1), and at tp=1 and tp=2 x pp=2 (ZeRO-0, whose checkpoint
-    keeps no ZeRO optimizer files: checkpoint/sharded._zero0_to_universal), from the same seed, then export each
+    keeps no ZeRO optimizer files: checkpoint/universal._zero0_to_universal), from the same seed, then export each
     to HF: every tensor agrees within 1e-4. The runs differ only by the order of cross-rank sums, but Adam's
     normalised update can turn a 1e-7 difference in a near-zero gradient into up to lr (3e-3 here); measured
     max 1.1e-5. A wrong merge (a permuted or misplaced shard) would differ by the weights' scale, ~2e-2. The

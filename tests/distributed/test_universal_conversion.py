@@ -1,4 +1,4 @@
-"""The universal form a layout change converts a checkpoint into (checkpoint/sharded.convert_to_universal) is
+"""The universal form a layout change converts a checkpoint into (checkpoint/universal.convert_to_universal) is
 checked before it is used again, made by concurrent jobs without a race, and put elsewhere for a checkpoint
 that cannot be written. Found by trying it from outside: a flipped bit in a cached conversion loaded silently
 (loss inf), a truncated one crashed every restart, and three jobs converting one checkpoint at once crashed
@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from megatron_lite.checkpoint import sharded
+from megatron_lite.checkpoint import universal
 from megatron_lite.checkpoint.store import step_name
 from tests.distributed.common import overrides
 from tests.distributed.launcher import run_configs
@@ -23,7 +23,7 @@ def _tensors(target: str) -> dict:
 
 def _convert(path: str, queue) -> None:
     try:
-        queue.put(sharded.convert_to_universal(path))
+        queue.put(universal.convert_to_universal(path))
     except Exception as err:  # noqa: BLE001 - reported to the test
         queue.put(f"{type(err).__name__}: {err}")
 
@@ -52,14 +52,14 @@ def test_a_conversion_is_checked_before_reuse_and_made_once_by_concurrent_jobs(t
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
-    assert sharded.convert_to_universal(path) == target
+    assert universal.convert_to_universal(path) == target
     assert "fails its CRC-32 check" in capsys.readouterr().out
     assert all(torch.equal(good[name], value) for name, value in _tensors(target).items())
 
     # a step directory the job cannot write: the conversion goes under the job's own directory instead
-    monkeypatch.setattr(sharded.os, "access", lambda p, mode: os.path.realpath(p) != os.path.realpath(path))
-    elsewhere = sharded.universal_dir(path, str(tmp_path / "mine"))
+    monkeypatch.setattr(universal.os, "access", lambda p, mode: os.path.realpath(p) != os.path.realpath(path))
+    elsewhere = universal.universal_dir(path, str(tmp_path / "mine"))
     assert os.path.dirname(elsewhere) == str(tmp_path / "mine") and os.path.basename(elsewhere).startswith(
         ".universal_of_step_0000002_")
-    assert sharded.convert_to_universal(path, elsewhere) == elsewhere
+    assert universal.convert_to_universal(path, elsewhere) == elsewhere
     assert all(torch.equal(good[name], value) for name, value in _tensors(elsewhere).items())
