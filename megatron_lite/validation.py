@@ -55,9 +55,6 @@ def notes(cfg: Config) -> list[str]:
     if t.recompute_every != 1 and t.recompute != "full":
         out.append(f"train.recompute_every={t.recompute_every} does nothing without train.recompute=full "
                    f"(it is {t.recompute})")
-    if cfg.zero.offload_optimizer == "nvme" and cfg.checkpoint.interval:
-        out.append("zero.offload_optimizer=nvme: this run's checkpoints cannot be resumed (DeepSpeed 0.19 does not "
-                   "restore its optimizer exactly; docs/checkpoints-and-faults.md); zero.offload_optimizer=cpu's can")
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
     return out

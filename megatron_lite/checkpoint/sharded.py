@@ -125,6 +125,9 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned copies have landed before the writer reads them
     files = staging.staged + [(os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"), rng)]
+    offloaded = universal.offloaded_states(engine, ctx.rank)
+    if offloaded is not None:
+        files.append((os.path.join(path, universal.OFFLOADED.format(rank=ctx.rank)), offloaded))
 
     def commit(manifest: dict) -> None:
         _commit(root, path, step, meta, manifest, rng, keep)
@@ -139,6 +142,9 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     tag, path = _prepare(ctx, root, step)
     engine.save(root, tag)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
+    offloaded = universal.offloaded_states(engine, ctx.rank)
+    if offloaded is not None:
+        torch.save(offloaded, os.path.join(path, universal.OFFLOADED.format(rank=ctx.rank)))
     dist.barrier()  # every rank's files exist
     store.fsync_tree(path)  # this rank's writes (and everyone's, harmlessly) reach the disk
     shares = [None] * ctx.world_size
@@ -155,7 +161,10 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
     meta. scratch: where a read-only checkpoint's universal form may go (the job's checkpoint.dir)."""
     meta = read_meta(path)
     saved = Layout.of_checkpoint(meta)
-    if layout.needs_conversion(saved):
+    # An optimizer swapped to NVMe, in the checkpoint or in this job, loads through the universal form at any
+    # layout: DeepSpeed's own load of it is not exact (checkpoint/universal.py, NVMe optimizer offload)
+    swapped = universal.swaps_optimizer(engine) or bool(universal.offloaded_by_file(path))
+    if layout.needs_conversion(saved) or swapped:
         target = universal.prepare_universal(path, ctx, scratch)
         universal.load_into(engine, os.path.join(target, "zero"), layout.zero_stage)
     else:

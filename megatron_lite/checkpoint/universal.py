@@ -1,11 +1,13 @@
 """The universal form of a checkpoint, and loading it into an engine of any layout, ZeRO stage or precision.
 
 When a checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage, pipeline layout or state format
-(bf16 or fp32) differs from the current job's (layout.Layout.needs_conversion), rank 0 converts it once into
+(bf16 or fp32) differs from the current job's (layout.Layout.needs_conversion), or either swaps its optimizer to
+NVMe (below: DeepSpeed's own load of that is not exact), rank 0 converts it once into
 DeepSpeed's universal (layout-free) format beside the shards (path/universal): DeepSpeed's converter merges the
 TP shards by the split patterns the engine saved with the checkpoint (model/layout.universal_split_patterns)
 into one full fp32 tensor per parameter and state (a ZeRO-0 checkpoint, which has no ZeRO optimizer files,
-through its merge step alone: _zero0_to_universal). Every rank then loads that with our loader for its ZeRO
+through its merge step alone: _zero0_to_universal; an optimizer swapped to NVMe has its swapped states put
+back from the swap files first: _with_offloaded_states). Every rank then loads that with our loader for its ZeRO
 stage (load_into), which cuts each tensor to this rank's TP share as the model's build does and then to its
 ZeRO partition as DeepSpeed lays it out. The same conversion gives checkpoint/weights.py the full weights of a
 TP or pipeline run.
@@ -60,7 +62,8 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
     no groups. A finished conversion is used again once its files match its manifest (else it is made again,
     with a warning). Jobs converting the same checkpoint at once each write their own temporary directory and
     rename it into place; the first wins and the others use it. ZeRO 1-3 checkpoints go through DeepSpeed's
-    converter whole, a ZeRO-0 one through its merge step (_zero0_to_universal)."""
+    converter whole (an NVMe-offloaded one's swapped states put back first: _with_offloaded_states), a ZeRO-0 one
+    through its merge step (_zero0_to_universal)."""
     target = target or os.path.join(path, UNIVERSAL)
     problem = _universal_problem(target)
     if problem is None:
@@ -80,8 +83,11 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
     view = tmp + ".input"
     os.makedirs(view)
     try:
+        offloaded = offloaded_by_file(path)
         for name in os.listdir(path):
-            if os.path.isfile(os.path.join(path, name)):
+            if name in offloaded:
+                _with_offloaded_states(path, offloaded[name], os.path.join(view, name))
+            elif os.path.isfile(os.path.join(path, name)):
                 os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
         meta = read_meta(path)
         if meta["layout"]["zero_stage"] == 0:
@@ -104,6 +110,67 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(view, ignore_errors=True)
     return target
+
+
+# NVMe optimizer offload (zero.offload_optimizer=nvme, ZeRO-3). DeepSpeed 0.19 saves the optimizer sub-groups it
+# swaps to NVMe empty in each rank's optimizer file (their fp32 masters and Adam moments live in its swap files) and
+# copies its swap folder beside it: offloaded_tensors/rank<NN>/, one raw file per tensor, named by the parameter ids
+# of the sub-group (<ids>.tensor.swp, exp_avg-<ids>.tensor.swp, ...). Its own load copies that folder back and
+# skips the optimizer file: the sub-groups it keeps in memory (norms and biases) came back at their initial values
+# and the steps at the load's (measured: the resumed losses 1e-2 from the straight run's). So each rank also records
+# which sub-groups were swapped and where (offloaded_states, saved as offload_rank<r>.pt), the conversion puts
+# their tensors back into a copy of the optimizer file (_with_offloaded_states), and such a checkpoint, or a job
+# that swaps its optimizer, loads through the universal form and our ZeRO-3 loader, which swaps each sub-group in
+# to fill it and out again.
+
+OFFLOADED = "offload_rank{rank:05d}.pt"
+
+
+def offloaded_states(engine, rank: int) -> dict | None:
+    """What the conversion needs to find this rank's swapped optimizer states in the checkpoint just saved: the
+    optimizer file they belong in, DeepSpeed's copy of the swap folder, and each swapped sub-group's parameter
+    ids and length. None when the optimizer is not swapped to NVMe."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
+
+    if not swaps_optimizer(engine):
+        return None
+    zero3 = engine.optimizer
+    swapped = {}
+    for sub_group, master in enumerate(zero3.fp32_partitioned_groups_flat):
+        if zero3._swappable_optimizer_subgroup(sub_group):
+            assert master.dtype == torch.float32, f"sub-group {sub_group}: {master.dtype} masters"
+            swapped[sub_group] = (master.ds_id, zero3.fp16_partitioned_groups_flat_numel[sub_group])
+    return {"optim_states": os.path.basename(engine.ds_engine._get_zero_ckpt_name("", "")),
+            "folder": os.path.join("offloaded_tensors", "rank" + dp_index_to_str(rank)), "swapped": swapped}
+
+
+def swaps_optimizer(engine) -> bool:
+    return bool(engine.ds_engine.zero_nvme_offload_optimizer())
+
+
+def offloaded_by_file(path: str) -> dict[str, dict]:
+    """The checkpoint's offloaded_states records by the optimizer file each completes ({} without NVMe)."""
+    records = (torch.load(os.path.join(path, name), weights_only=True) for name in sorted(os.listdir(path))
+               if name.startswith("offload_rank") and name.endswith(".pt"))
+    return {record["optim_states"]: record for record in records}
+
+
+def _with_offloaded_states(path: str, record: dict, out: str) -> None:
+    """Write to `out` the optimizer file record["optim_states"] of checkpoint `path` with its swapped sub-groups'
+    fp32 masters and Adam moments read back from DeepSpeed's copy of the swap files (raw fp32, padded to the
+    I/O alignment: the first `numel` values are the tensor)."""
+    saved = torch.load(os.path.join(path, record["optim_states"]), map_location="cpu", weights_only=False)
+    optim = saved["optimizer_state_dict"]
+    for sub_group, (ids, numel) in record["swapped"].items():
+        def read(name: str) -> torch.Tensor:
+            file = os.path.join(path, record["folder"], f"{name}.tensor.swp")
+            assert os.path.getsize(file) >= 4 * numel, f"{file}: {os.path.getsize(file)} bytes for {numel} values"
+            return torch.from_file(file, shared=False, size=numel, dtype=torch.float32)
+
+        optim["fp32_flat_groups"][sub_group] = read(ids)
+        for key in ("exp_avg", "exp_avg_sq"):
+            optim["optimizer_state_dict"]["state"][sub_group][key] = read(f"{key}-{ids}")
+    torch.save(saved, out)
 
 
 def _zero0_to_universal(path: str, meta: dict, out: str) -> None:
@@ -345,7 +412,8 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
     master, Adam moments and step, from the universal form's full tensors, cut first to this rank's TP share (as
     the model's build cuts them: model/init.local_part) and then to its ZeRO partition (DeepSpeed's: the flat
     TP-local tensor zero-padded to a multiple of the partition group's size, partition `rank` of it). The
-    bf16/fp32 working partitions are then refreshed from the masters.
+    bf16/fp32 working partitions are then refreshed from the masters. A sub-group swapped to NVMe
+    (zero.offload_optimizer=nvme) is swapped in to be filled and out again, as its optimizer step does.
 
     DeepSpeed 0.19's loader (load_hp_checkpoint_state_from_checkpoint_dir_stage3) partitions each full tensor as
     it is: right only when the checkpoint's TP size is this job's (it cuts TP shards for its AutoTP layers
@@ -356,6 +424,9 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
     slots = _slots_by_parameter(model)
     step_of, steps = _universal_steps(zero_dir), set()
     for sub_group, params in enumerate(zero3.fp16_groups):
+        swapped = zero3._swappable_optimizer_subgroup(sub_group)
+        if swapped:  # NVMe offload: its master and moments are read in from their swap files, and written back
+            zero3._optimizer_states_and_gradient_swap_in(sub_group)
         master = zero3.fp32_partitioned_groups_flat[sub_group]
         flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
         offset = 0
@@ -372,15 +443,16 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
         assert offset == master.numel(), f"sub-group {sub_group}: {offset} loaded elements for {master.numel()}"
         master.copy_(flats.pop("fp32"))
         state = zero3.optimizer.state[master]
-        state.update(flats)
+        for key, flat in flats.items():
+            if key in state:  # in place: the swapper writes back the tensors it holds
+                state[key].copy_(flat)
+            else:
+                state[key] = flat
         state["step"] = _adam_step(zero3.optimizer, master, _one_step(steps))
-    for sub_group, master in enumerate(zero3.fp32_partitioned_groups_flat):
-        if master.numel() > 0:
-            zero3.fp16_partitioned_groups_flat[sub_group].copy_(master)
-        working = zero3.unflatten(zero3.fp16_partitioned_groups_flat[sub_group],
-                                  zero3.fp16_partitioned_groups[sub_group])
-        for partition, value in zip(zero3.fp16_partitioned_groups[sub_group], working):
-            partition.data = value.data
+        # The working partition (bf16 or fp32) from the master: copied and unflattened, or swapped out to NVMe
+        zero3._reassign_or_swap_out_partitioned_parameters(sub_group)
+        if swapped:
+            zero3._optimizer_states_and_gradient_swap_out(sub_group)
 
 
 def load_into(engine, zero_dir: str, zero_stage: int) -> None:

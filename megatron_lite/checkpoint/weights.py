@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.universal import convert_to_universal, universal_dir, universal_tensor
+from megatron_lite.checkpoint.universal import convert_to_universal, offloaded_by_file, universal_dir, universal_tensor
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
 
@@ -43,16 +43,27 @@ def _model_cfg_from_meta(meta: dict) -> ModelConfig:
 
 
 def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
-    """Full fp32 weights of a tensor- or pipeline-parallel checkpoint, any ZeRO stage: the universal conversion
+    """Full fp32 weights of a tensor- or pipeline-parallel checkpoint, any ZeRO stage, or of one whose optimizer
+    was swapped to NVMe (its optimizer files lack the swapped masters): the universal conversion
     (checkpoint/universal.py) merges the TP shards with the split patterns saved beside them and unions the
     pipeline stages (parameter names are global; the tied embedding's two copies are equal); vocabulary rows
     come back unpadded."""
     from megatron_lite.model.gpt import padded_vocab_size
 
     zero_dir = os.path.join(convert_to_universal(path, universal_dir(path, tempfile.gettempdir())), "zero")
-    rows = padded_vocab_size(model_cfg)
-    return {name: universal_tensor(zero_dir, name, "fp32", rows) for name in sorted(os.listdir(zero_dir))
-            if os.path.isdir(os.path.join(zero_dir, name))}
+    rows, widths = padded_vocab_size(model_cfg), _widths(path) if meta["layout"].get("tp", 1) == 1 else {}
+    return {name: universal_tensor(zero_dir, name, "fp32", rows, widths.get(name))
+            for name in sorted(os.listdir(zero_dir)) if os.path.isdir(os.path.join(zero_dir, name))}
+
+
+def _widths(path: str) -> dict[str, int]:
+    """name -> last dim of each matrix, from the shapes a tp=1 ZeRO checkpoint's model-states files record
+    (DeepSpeed's merge leaves a tp=1 ZeRO-3 checkpoint's tensors flat)."""
+    widths = {}
+    for file in glob.glob(os.path.join(path, "*model_states.pt")):
+        for group in torch.load(file, map_location="cpu", weights_only=False).get("param_shapes") or ():
+            widths.update({name: shape[-1] for name, shape in group.items() if len(shape) == 2})
+    return widths
 
 
 def step_dir(path: str) -> str:
@@ -76,7 +87,7 @@ def load_model_state(path: str) -> tuple[ModelConfig, dict]:
     if "deepspeed" not in sys.modules:  # DeepSpeed logs to stdout from its import on, where a tool's output goes
         with contextlib.redirect_stdout(sys.stderr):  # (generate.py's text): its handler takes stderr instead
             import deepspeed  # noqa: F401
-    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1:
+    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1 or offloaded_by_file(path):
         return model_cfg, _merged_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))

@@ -34,6 +34,13 @@ def overrides(tmp_path, name: str, *extra: str, real_corpus: bool = False) -> li
     return [*BASE, *(REAL_CORPUS if real_corpus else test_corpus()), f"run.dir={tmp_path}/{name}", *extra]
 
 
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async I/O op (NVMe offload) can build here: libaio is installed."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
 def real_corpus_overrides(tmp_path, name: str, *extra: str) -> list[str]:
     """overrides on the real corpus's settings and its 8192-token head: for the recorded losses, for the fault
     tests, whose timing (the steps a signal, a kill or a joining node must land among) and long-run tolerances were

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
-from tests.distributed.common import (TEST_VOCAB, assert_same_hf_export, max_abs_diff, max_relative_diff, overrides,
-                                      real_corpus_overrides, test_corpus, write_prepared)
+from tests.distributed.common import (TEST_VOCAB, assert_same_hf_export, async_io_available, max_abs_diff,
+                                      max_relative_diff, overrides, real_corpus_overrides, test_corpus, write_prepared)
 from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
@@ -331,3 +331,39 @@ def test_cpu_offload_switched_on_at_a_resume(tmp_path):
                                            f"checkpoint.resume={tmp_path}/z1/checkpoints/{step_name(4)}")], tmp_path)
     assert len(resumed["losses"]) == 4
     assert_continues(resumed, straight, 1e-4, "ZeRO-1 resumed with CPU offload")
+
+
+@pytest.mark.slow  # DeepSpeed's async I/O op builds in the background while the other tests run (tests/conftest.py)
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(not async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
+def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
+    """ZeRO-3 with the optimizer swapped to NVMe (the matrices' sub-group; the vectors' is too small to swap and
+    stays in memory), alone and with the parameters on NVMe too (its checkpoints written in the background:
+    checkpoint.async_save), on 2 ranks: 8 straight steps vs a restart from
+    step 4, exact (1e-6). DeepSpeed 0.19's own load of such a checkpoint (its swap files copied back, its
+    optimizer files skipped) resumed 1.1 off in the losses (measured: the in-memory sub-group at its initial
+    values, the steps restarted), which was refused until 2026-11-29; now it converts through the swap files the
+    ranks recorded (checkpoint/universal.py). Then another layout and offload both ways at 1 rank, 1e-4: the NVMe
+    checkpoint into CPU offload, a CPU-offload checkpoint into NVMe; and the NVMe checkpoint's HF export equals
+    the CPU-offload run's (the same arithmetic: 1e-6)."""
+    nvme = ["zero.stage=3", "zero.offload_optimizer=nvme"]
+    layouts = {"nvme": [*nvme, f"zero.nvme_path={tmp_path}/swap_nvme"],
+               "nvme_all": [*nvme, "zero.offload_param=nvme", f"zero.nvme_path={tmp_path}/swap_nvme_all",
+                            "checkpoint.async_save=true"],
+               "cpu": ["zero.stage=3", "zero.offload_optimizer=cpu"]}
+    straight = dict(zip(layouts, run_configs(2, [overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
+                                                 for name, layout in layouts.items()], tmp_path)))
+
+    def resumed(name: str, source: str, *layout: str) -> list[str]:
+        return overrides(tmp_path, name, *STEPS8, *layout, f"checkpoint.dir={tmp_path}/{name}/checkpoints",
+                         f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+
+    same = run_configs(2, [resumed(f"{name}_resumed", name, *layouts[name]) for name in ("nvme", "nvme_all")], tmp_path)
+    for name, result in zip(("nvme", "nvme_all"), same):
+        assert len(result["losses"]) == 4, name
+        assert_continues(result, straight[name], 1e-6, f"{name} resume")
+    across = run_configs(1, [resumed("nvme_to_cpu", "nvme", "zero.stage=3", "zero.offload_optimizer=cpu"),
+                             resumed("cpu_to_nvme", "cpu", *nvme, f"zero.nvme_path={tmp_path}/swap_into")], tmp_path)
+    assert_each_continues(zip(across, (straight["nvme"], straight["cpu"]),
+                              ("nvme -> cpu at dp 1", "cpu -> nvme at dp 1")))
+    assert_same_hf_export(tmp_path, ("nvme", "cpu"), 1e-6)

@@ -11,7 +11,7 @@ import glob
 
 import pytest
 
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
+from tests.distributed.common import async_io_available, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import run_configs
 
 TOL = 1e-4
@@ -67,15 +67,9 @@ def test_tensor_parallel_with_zero_matches_single_process(reference, tmp_path):
         assert_follows(result, reference, " ".join(result["overrides"][-2:]))
 
 
-def _async_io_available() -> bool:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    return bool(AsyncIOBuilder().is_compatible(verbose=False))
-
-
 @pytest.mark.slow  # its op builds in the background while the other tests run (tests/conftest.py)
 @pytest.mark.timeout(1500)  # the wait for that build (conftest.BUILD_WAIT_S), then the test
-@pytest.mark.skipif(not _async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
+@pytest.mark.skipif(not async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
 def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
     """Optimizer states on NVMe, and optimizer states plus parameters on NVMe (ZeRO-3 both: DeepSpeed's ZeRO-1/2
     take an NVMe optimizer as CPU offload, which validation refuses), through DeepSpeed's async I/O on a local

@@ -227,6 +227,8 @@ def test_data_tokenizer_larger_than_the_model_vocabulary(data_dir):
 def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data_dir, tmp_path):
     import json
 
+    import torch
+
     step = tmp_path / "ckpt" / "step_0000004"
     step.mkdir(parents=True)
     cfg = load([f"data.path={data_dir}"], world_size=1)
@@ -268,11 +270,15 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
         assert load(args + ["model=llama-tiny", f"zero.stage={stage}"], world_size=1).zero.stage == stage
     write(2)
     assert load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1).zero.stage == 3
-    # DeepSpeed 0.19 does not restore an NVMe-offloaded optimizer exactly (docs/checkpoints-and-faults.md)
+    # An NVMe-offloaded optimizer resumes through the universal form from the swap files its ranks recorded
+    # (checkpoint/universal.py); one written before they recorded them cannot
     write(3, config={"model": asdict(cfg.model), "zero": {"offload_optimizer": "nvme"}})
-    with pytest.raises(ConfigError, match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme, "
-                                          r"which DeepSpeed 0.19 does not restore exactly"):
+    with pytest.raises(ConfigError, match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme by "
+                                          r"an older version, which did not record where its swapped optimizer"):
         load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1)
+    torch.save({"optim_states": "zero_pp_rank_0_mp_rank_00_optim_states.pt", "folder": "offloaded_tensors/rank00",
+                "swapped": {}}, tmp_path / "ckpt" / "step_0000004" / "offload_rank00000.pt")
+    assert load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1).zero.stage == 3
 
 
 BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides, the message's start)
