@@ -161,12 +161,15 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
     meta. scratch: where a read-only checkpoint's universal form may go (the job's checkpoint.dir)."""
     meta = read_meta(path)
     saved = Layout.of_checkpoint(meta)
-    # An optimizer swapped to NVMe, in the checkpoint or in this job, loads through the universal form at any
-    # layout: DeepSpeed's own load of it is not exact (checkpoint/universal.py, NVMe optimizer offload)
-    swapped = universal.swaps_optimizer(engine) or bool(universal.offloaded_by_file(path))
-    if layout.needs_conversion(saved) or swapped:
+    # An optimizer swapped to NVMe on one side only loads through the universal form (DeepSpeed's load looks for
+    # swap files the checkpoint lacks, or leaves its swapped states out); on both sides at the same layout, from
+    # each rank's own files (DeepSpeed's load of that is not exact): checkpoint/universal.py, NVMe offload
+    swaps = universal.swaps_optimizer(engine)
+    if layout.needs_conversion(saved) or swaps != bool(universal.offloaded_by_file(path)):
         target = universal.prepare_universal(path, ctx, scratch)
         universal.load_into(engine, os.path.join(target, "zero"), layout.zero_stage)
+    elif swaps:
+        universal.load_offloaded(engine, path, ctx.rank)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
     # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where

@@ -1,8 +1,8 @@
 """The universal form of a checkpoint, and loading it into an engine of any layout, ZeRO stage or precision.
 
 When a checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage, pipeline layout or state format
-(bf16 or fp32) differs from the current job's (layout.Layout.needs_conversion), or either swaps its optimizer to
-NVMe (below: DeepSpeed's own load of that is not exact), rank 0 converts it once into
+(bf16 or fp32) differs from the current job's (layout.Layout.needs_conversion), or one of the two swaps its
+optimizer to NVMe and the other does not (below), rank 0 converts it once into
 DeepSpeed's universal (layout-free) format beside the shards (path/universal): DeepSpeed's converter merges the
 TP shards by the split patterns the engine saved with the checkpoint (model/layout.universal_split_patterns)
 into one full fp32 tensor per parameter and state (a ZeRO-0 checkpoint, which has no ZeRO optimizer files,
@@ -115,13 +115,12 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
 # NVMe optimizer offload (zero.offload_optimizer=nvme, ZeRO-3). DeepSpeed 0.19 saves the optimizer sub-groups it
 # swaps to NVMe empty in each rank's optimizer file (their fp32 masters and Adam moments live in its swap files) and
 # copies its swap folder beside it: offloaded_tensors/rank<NN>/, one raw file per tensor, named by the parameter ids
-# of the sub-group (<ids>.tensor.swp, exp_avg-<ids>.tensor.swp, ...). Its own load copies that folder back and
-# skips the optimizer file: the sub-groups it keeps in memory (norms and biases) came back at their initial values
-# and the steps at the load's (measured: the resumed losses 1e-2 from the straight run's). So each rank also records
-# which sub-groups were swapped and where (offloaded_states, saved as offload_rank<r>.pt), the conversion puts
-# their tensors back into a copy of the optimizer file (_with_offloaded_states), and such a checkpoint, or a job
-# that swaps its optimizer, loads through the universal form and our ZeRO-3 loader, which swaps each sub-group in
-# to fill it and out again.
+# of the sub-group (<ids>.tensor.swp, exp_avg-<ids>.tensor.swp, ...). So each rank also records which sub-groups
+# it swapped and where (offloaded_states, saved as offload_rank<r>.pt), and the conversion puts their tensors back
+# into a copy of the optimizer file (_with_offloaded_states): a checkpoint of an NVMe-swapped optimizer converts like
+# any other, and our ZeRO-3 loader swaps each sub-group of an NVMe-swapped job in to fill it and out again. At the
+# layout it was written with, into a job that swaps too, each rank fills its sub-groups from its own files
+# (load_offloaded): no conversion.
 
 OFFLOADED = "offload_rank{rank:05d}.pt"
 
@@ -155,21 +154,27 @@ def offloaded_by_file(path: str) -> dict[str, dict]:
     return {record["optim_states"]: record for record in records}
 
 
+def _read_offloaded(path: str, record: dict, sub_group: int) -> dict[str, torch.Tensor]:
+    """A swapped sub-group's fp32 master and Adam moments, from DeepSpeed's copy of its swap files in checkpoint
+    `path` (raw fp32, padded to the I/O alignment: the first `numel` values are the tensor)."""
+    ids, numel = record["swapped"][sub_group]
+    out = {}
+    for key, name in (("fp32", ids), ("exp_avg", f"exp_avg-{ids}"), ("exp_avg_sq", f"exp_avg_sq-{ids}")):
+        file = os.path.join(path, record["folder"], f"{name}.tensor.swp")
+        assert os.path.getsize(file) >= 4 * numel, f"{file}: {os.path.getsize(file)} bytes for {numel} values"
+        out[key] = torch.from_file(file, shared=False, size=numel, dtype=torch.float32)
+    return out
+
+
 def _with_offloaded_states(path: str, record: dict, out: str) -> None:
     """Write to `out` the optimizer file record["optim_states"] of checkpoint `path` with its swapped sub-groups'
-    fp32 masters and Adam moments read back from DeepSpeed's copy of the swap files (raw fp32, padded to the
-    I/O alignment: the first `numel` values are the tensor)."""
+    fp32 masters and Adam moments read back from DeepSpeed's copy of the swap files."""
     saved = torch.load(os.path.join(path, record["optim_states"]), map_location="cpu", weights_only=False)
     optim = saved["optimizer_state_dict"]
-    for sub_group, (ids, numel) in record["swapped"].items():
-        def read(name: str) -> torch.Tensor:
-            file = os.path.join(path, record["folder"], f"{name}.tensor.swp")
-            assert os.path.getsize(file) >= 4 * numel, f"{file}: {os.path.getsize(file)} bytes for {numel} values"
-            return torch.from_file(file, shared=False, size=numel, dtype=torch.float32)
-
-        optim["fp32_flat_groups"][sub_group] = read(ids)
-        for key in ("exp_avg", "exp_avg_sq"):
-            optim["optimizer_state_dict"]["state"][sub_group][key] = read(f"{key}-{ids}")
+    for sub_group in record["swapped"]:
+        flats = _read_offloaded(path, record, sub_group)
+        optim["fp32_flat_groups"][sub_group] = flats.pop("fp32")
+        optim["optimizer_state_dict"]["state"][sub_group].update(flats)
     torch.save(saved, out)
 
 
@@ -424,11 +429,8 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
     slots = _slots_by_parameter(model)
     step_of, steps = _universal_steps(zero_dir), set()
     for sub_group, params in enumerate(zero3.fp16_groups):
-        swapped = zero3._swappable_optimizer_subgroup(sub_group)
-        if swapped:  # NVMe offload: its master and moments are read in from their swap files, and written back
-            zero3._optimizer_states_and_gradient_swap_in(sub_group)
-        master = zero3.fp32_partitioned_groups_flat[sub_group]
-        flats = {key: torch.zeros_like(master) for key in ("fp32", "exp_avg", "exp_avg_sq")}
+        numel_of_group = zero3.fp16_partitioned_groups_flat_numel[sub_group]
+        flats = {key: torch.zeros(numel_of_group) for key in ("fp32", "exp_avg", "exp_avg_sq")}
         offset = 0
         for param in params:
             group = zero3._get_param_partition_group(param)
@@ -440,19 +442,53 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
                 flat.narrow(0, offset, numel).copy_(padded.narrow(0, rank * numel, numel))
             steps.add(step_of(slots[id(param)][0]))
             offset += numel
-        assert offset == master.numel(), f"sub-group {sub_group}: {offset} loaded elements for {master.numel()}"
-        master.copy_(flats.pop("fp32"))
-        state = zero3.optimizer.state[master]
-        for key, flat in flats.items():
-            if key in state:  # in place: the swapper writes back the tensors it holds
-                state[key].copy_(flat)
-            else:
-                state[key] = flat
-        state["step"] = _adam_step(zero3.optimizer, master, _one_step(steps))
-        # The working partition (bf16 or fp32) from the master: copied and unflattened, or swapped out to NVMe
-        zero3._reassign_or_swap_out_partitioned_parameters(sub_group)
+        assert offset == numel_of_group, f"sub-group {sub_group}: {offset} loaded elements for {numel_of_group}"
+        _fill_zero3_sub_group(zero3, sub_group, flats, _one_step(steps))
+
+
+@torch.no_grad()
+def load_offloaded(engine, path: str, rank: int) -> None:
+    """A job that swaps its optimizer to NVMe resuming a checkpoint written at its own layout by a job that did
+    too: every sub-group from this rank's own files, no conversion: the in-memory ones from its optimizer file,
+    the swapped ones from DeepSpeed's copy of its swap files (where offload_rank<r>.pt says). DeepSpeed 0.19's own
+    load of it copies the swap files back but skips the optimizer file: the in-memory sub-groups kept their
+    initial values and every step the build's (measured: the resumed losses 1.1 off)."""
+    zero3 = engine.optimizer
+    record = torch.load(os.path.join(path, OFFLOADED.format(rank=rank)), weights_only=True)
+    optim = torch.load(os.path.join(path, record["optim_states"]), map_location="cpu", weights_only=False)
+    optim = optim["optimizer_state_dict"]
+    for sub_group in range(len(zero3.fp16_groups)):
+        swapped = zero3._swappable_optimizer_subgroup(sub_group)
+        assert swapped == (sub_group in record["swapped"]), f"sub-group {sub_group} swapped: {swapped} here"
+        stored = optim["optimizer_state_dict"]["state"][sub_group]
         if swapped:
-            zero3._optimizer_states_and_gradient_swap_out(sub_group)
+            flats = _read_offloaded(path, record, sub_group)
+        else:
+            flats = {"fp32": optim["fp32_flat_groups"][sub_group],
+                     **{key: stored[key] for key in ("exp_avg", "exp_avg_sq")}}
+        _fill_zero3_sub_group(zero3, sub_group, flats, stored["step"])
+
+
+def _fill_zero3_sub_group(zero3, sub_group: int, flats: dict, step) -> None:
+    """Put one sub-group's flat fp32 master and Adam moments (this rank's partition) and its step into ZeRO-3's
+    optimizer, and its working partition (bf16 or fp32) from the master: copied and unflattened, or swapped out
+    to NVMe with offload_param=nvme. A sub-group swapped to NVMe (zero.offload_optimizer=nvme) is swapped in to be
+    filled and out again, as its optimizer step does."""
+    swapped = zero3._swappable_optimizer_subgroup(sub_group)
+    if swapped:
+        zero3._optimizer_states_and_gradient_swap_in(sub_group)
+    master = zero3.fp32_partitioned_groups_flat[sub_group]
+    master.copy_(flats["fp32"])
+    state = zero3.optimizer.state[master]
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:  # in place: the swapper writes back the tensors it holds
+            state[key].copy_(flats[key])
+        else:  # (a lazy optimizer has made none yet)
+            state[key] = flats[key].to(master.device, copy=True)
+    state["step"] = _adam_step(zero3.optimizer, master, step)
+    zero3._reassign_or_swap_out_partitioned_parameters(sub_group)
+    if swapped:
+        zero3._optimizer_states_and_gradient_swap_out(sub_group)
 
 
 def load_into(engine, zero_dir: str, zero_stage: int) -> None:

@@ -340,10 +340,11 @@ def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
     """ZeRO-3 with the optimizer swapped to NVMe (the matrices' sub-group; the vectors' is too small to swap and
     stays in memory), alone and with the parameters on NVMe too (its checkpoints written in the background:
     checkpoint.async_save), on 2 ranks: 8 straight steps vs a restart from
-    step 4, exact (1e-6). DeepSpeed 0.19's own load of such a checkpoint (its swap files copied back, its
-    optimizer files skipped) resumed 1.1 off in the losses (measured: the in-memory sub-group at its initial
-    values, the steps restarted), which was refused until 2026-11-29; now it converts through the swap files the
-    ranks recorded (checkpoint/universal.py). Then another layout and offload both ways at 1 rank, 1e-4: the NVMe
+    step 4, exact (1e-6), without a conversion. DeepSpeed 0.19's own load of such a checkpoint (its swap files
+    copied back, its optimizer files skipped) resumed 1.1 off in the losses (measured: the in-memory sub-group at
+    its initial values, the steps restarted), which was refused until 2026-11-29; now each rank fills its
+    sub-groups from its own files (checkpoint/universal.load_offloaded). Then another layout and offload both ways at 1 rank,
+    1e-4, through the universal form and the swap files the ranks recorded (checkpoint/universal.py): the NVMe
     checkpoint into CPU offload, a CPU-offload checkpoint into NVMe; and the NVMe checkpoint's HF export equals
     the CPU-offload run's (the same arithmetic: 1e-6)."""
     nvme = ["zero.stage=3", "zero.offload_optimizer=nvme"]
@@ -362,6 +363,7 @@ def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
     for name, result in zip(("nvme", "nvme_all"), same):
         assert len(result["losses"]) == 4, name
         assert_continues(result, straight[name], 1e-6, f"{name} resume")
+        assert not os.path.exists(f"{tmp_path}/{name}/checkpoints/{step_name(4)}/universal"), name  # no conversion
     across = run_configs(1, [resumed("nvme_to_cpu", "nvme", "zero.stage=3", "zero.offload_optimizer=cpu"),
                              resumed("cpu_to_nvme", "cpu", *nvme, f"zero.nvme_path={tmp_path}/swap_into")], tmp_path)
     assert_each_continues(zip(across, (straight["nvme"], straight["cpu"]),
