@@ -103,7 +103,8 @@ class ZeroConfig:
     offload_param: str = "none"
     """Where parameters live between uses: none, cpu or nvme (needs stage 3)."""
     nvme_path: str = "/tmp/megatron_lite_nvme"
-    """Directory used for nvme offload."""
+    """Directory used for nvme offload: each run swaps in a folder of its own under it, named after run.dir
+    (<run.dir name>-<hash of its path>), removed when the run ends."""
 
 
 @dataclass

@@ -39,7 +39,10 @@ def load(checkpoint: str, tokenizer: str | None = None, device: str = "cpu"):
     if tokenizer is None:
         raise SystemExit(f"generate: no tokenizer is known for {checkpoint} (an import, or its data is gone); "
                          "pass --tokenizer DIR")
-    cfg, state = load_model_state(checkpoint)
+    try:
+        cfg, state = load_model_state(checkpoint)
+    except ValueError as err:  # a file that fails the commit's manifest
+        raise SystemExit(f"generate: {err}") from None
     special = special_tokens(meta)
     try:
         hf_cfg, hf_state = ours_to_hf(cfg, state, None, special)

@@ -128,6 +128,9 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
     offloaded = universal.offloaded_states(engine, ctx.rank)
     if offloaded is not None:
         files.append((os.path.join(path, universal.OFFLOADED.format(rank=ctx.rank)), offloaded))
+        # DeepSpeed copied this rank's swap files in engine.save, in the foreground and unsynced: the writer fsyncs
+        # only the files it writes, and the commit (meta.json) must not reach the disk before them (store.py)
+        store.fsync_tree(os.path.join(path, offloaded["folder"]))
 
     def commit(manifest: dict) -> None:
         _commit(root, path, step, meta, manifest, rng, keep)

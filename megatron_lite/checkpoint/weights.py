@@ -76,9 +76,14 @@ def step_dir(path: str) -> str:
     return path
 
 
-def load_model_state(path: str) -> tuple[ModelConfig, dict]:
-    """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT."""
+def load_model_state(path: str, verify: bool = True) -> tuple[ModelConfig, dict]:
+    """Full fp32 weights of any checkpoint (a root with `latest`, or a step dir), keyed like our GPT. verify: check
+    every file against the commit's manifest first, checksums included (a run's resume has checked them already):
+    a damaged file was exported without a word (one changed value in a swap file's copy: 10000 in a row of wte)."""
     path = step_dir(path)
+    problem = store.verify(path, checksums=True) if verify else None
+    if problem is not None:
+        raise ValueError(f"{path} cannot be read: {problem}")
     meta = read_meta(path)
     model_cfg = _model_cfg_from_meta(meta)
     if meta["kind"] == "weights":

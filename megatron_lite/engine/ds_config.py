@@ -7,6 +7,9 @@ micro-batches (the loss carries 1/m) and calls step() once (engine.py).
 
 from __future__ import annotations
 
+import os
+import zlib
+
 import torch
 
 from megatron_lite.config import Config
@@ -23,6 +26,17 @@ def holds_bf16(precision: str, zero_stage: int) -> bool:
     master weights and fp32 gradient accumulation. DeepSpeed has no fp32-accumulating ZeRO-0 bf16 path, so
     ZeRO-0 bf16 trains fp32 parameters under autocast (engine.py) and its checkpoints are fp32 ones."""
     return precision == "bf16" and zero_stage > 0
+
+
+def swap_dir(cfg: Config) -> str:
+    """Where this run's NVMe swap files go: a folder of zero.nvme_path named after run.dir. DeepSpeed swaps to
+    <nvme_path>/zero_stage_3/optimizer/rank<r> (and .../<dtype>params/rank<r>): the same files for every job
+    given one nvme_path (the default, /tmp/megatron_lite_nvme, is one for every run on a node), so two runs at once
+    swapped each other's optimizer states in and out (measured: losses 2.7 off by step 5, without a word) and
+    their checkpoints copied the mix. run.dir holds one run at a time (faults/run_lock.py), so its path keeps the
+    runs apart; a restarted run finds its own folder again. Engine.close removes it."""
+    run = os.path.realpath(cfg.run.dir)
+    return os.path.join(cfg.zero.nvme_path, f"{os.path.basename(run)}-{zlib.crc32(run.encode()):08x}")
 
 
 def _offload(device: str, nvme_path: str, pin: bool) -> dict:
@@ -49,9 +63,9 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict:
             allgather_bucket_size=int(5e7),
         )
         if offload_opt:
-            zero["offload_optimizer"] = _offload(z.offload_optimizer, z.nvme_path, pin)
+            zero["offload_optimizer"] = _offload(z.offload_optimizer, swap_dir(cfg), pin)
         if z.offload_param != "none":
-            zero["offload_param"] = _offload(z.offload_param, z.nvme_path, pin)
+            zero["offload_param"] = _offload(z.offload_param, swap_dir(cfg), pin)
     ds = {
         # One accumulation step as DeepSpeed sees it: our executor runs all m micro-batches (scaled 1/m at the
         # loss) and calls step() once; DeepSpeed must not rescale each chunk's output gradient by 1/m again.

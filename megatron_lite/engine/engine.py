@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import math
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision
+from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision, swap_dir
 from megatron_lite.engine.repairs import (forget_run_in_deepspeed_globals, honour_explicit_zero3_dtype,
                                           reset_backward_hook_count, restore_group_hyperparameters,
                                           sum_zero3_gradients_over_cp, zero_offload_accumulators)
@@ -250,6 +252,21 @@ class Engine:
     def close(self) -> None:
         self.ds_engine.destroy()
         forget_run_in_deepspeed_globals(self.model, self.ctx)
+        if "nvme" in (self.cfg.zero.offload_optimizer, self.cfg.zero.offload_param):
+            _remove_own_swap_files(swap_dir(self.cfg), self.ctx.rank)
+
+
+def _remove_own_swap_files(folder: str, rank: int) -> None:
+    """This rank's NVMe swap files (DeepSpeed's <folder>/zero_stage_3/<kind>/rank<r>; a checkpoint keeps copies of
+    the optimizer's), and the folders left empty: a run's swap files are as large as its optimizer states."""
+    for own in glob.glob(os.path.join(folder, "zero_stage_3", "*", f"rank{rank}")):
+        shutil.rmtree(own, ignore_errors=True)
+        kind = os.path.dirname(own)
+        for empty in (kind, os.path.dirname(kind), folder):  # not above: zero.nvme_path is the user's
+            try:
+                os.rmdir(empty)
+            except OSError:  # another rank's files are still there
+                break
 
 
 def _bf16_autocast(forward, device_type: str):

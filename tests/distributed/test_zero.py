@@ -8,6 +8,7 @@ floating-point additions, so runs are not bitwise equal; measured: losses <= 3.8
 """
 
 import glob
+import os
 
 import pytest
 
@@ -73,17 +74,19 @@ def test_tensor_parallel_with_zero_matches_single_process(reference, tmp_path):
 def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
     """Optimizer states on NVMe, and optimizer states plus parameters on NVMe (ZeRO-3 both: DeepSpeed's ZeRO-1/2
     take an NVMe optimizer as CPU offload, which validation refuses), through DeepSpeed's async I/O on a local
-    directory, whose swap files show the states went there. Needed a repair (repairs.honour_explicit_zero3_dtype):
-    without it the swapped embedding came back rounded to bf16 and the losses drifted by 2.3e-4."""
+    directory. The checkpoint's copies of the swap files show the optimizer states went there; each run swaps
+    in a folder of its own under zero.nvme_path (engine/ds_config.swap_dir: two runs at once on one path swapped
+    each other's states, 2.7 off in the losses), removed when it ends. Needed a repair
+    (repairs.honour_explicit_zero3_dtype): without it the swapped embedding came back rounded to bf16 and the
+    losses drifted by 2.3e-4."""
     kinds = {"opt": ["zero.offload_param=none"], "all": ["zero.offload_param=nvme"]}
     runs = [overrides(tmp_path, f"nvme_{kind}", "zero.stage=3", "zero.offload_optimizer=nvme", *extra,
-                      f"zero.nvme_path={tmp_path}/nvme_{kind}") for kind, extra in kinds.items()]
+                      f"zero.nvme_path={tmp_path}/nvme", "checkpoint.interval=6") for kind, extra in kinds.items()]
     for kind, result in zip(kinds, run_configs(2, runs, tmp_path)):
         assert_follows(result, reference, f"ZeRO-3 NVMe offload ({kind})")
-        assert glob.glob(f"{tmp_path}/nvme_{kind}/zero_stage_3/optimizer/rank*/*.swp"), kind
-    # the parameter swapper's folder (its files come and go as parameters are swapped in and out)
-    assert not glob.glob(f"{tmp_path}/nvme_opt/zero_stage_3/*params") and \
-        glob.glob(f"{tmp_path}/nvme_all/zero_stage_3/*params/rank*")
+        assert glob.glob(f"{tmp_path}/nvme_{kind}/checkpoints/*/offloaded_tensors/rank*/*.swp"), kind
+    assert not [files for _, _, files in os.walk(f"{tmp_path}/nvme") if files]  # every run's swap files removed
+    assert os.listdir(f"{tmp_path}/nvme") == []  # and its folder, not the user's nvme_path
 
 
 def test_a_zero3_run_leaves_the_next_run_in_its_world_unchanged(tmp_path, monkeypatch):

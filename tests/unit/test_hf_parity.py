@@ -112,6 +112,14 @@ def test_cli_import_export_through_a_checkpoint(tmp_path, name, capsys):
         assert torch.equal(again.state_dict()[key], value), key
     assert (again.config.bos_token_id, again.config.eos_token_id) == (5, 7)  # the import's, not the flavour's defaults
     assert (again.generation_config.bos_token_id, again.generation_config.eos_token_id) == (5, 7)
+    # A damaged file is named, not exported (the commit's checksums: checkpoint/weights.load_model_state)
+    weights = tmp_path / "ckpt" / "step_0000000" / "model.pt"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    weights.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=r"model.pt fails its CRC-32 check \(corrupted\)"):
+        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf_bad")])
+    assert not (tmp_path / "hf_bad").exists()
 
 
 def test_import_refuses_a_directory_that_holds_checkpoints(tmp_path):
