@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_lite.checkpoint import store, universal
 from megatron_lite.checkpoint.resume import warn
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
+from megatron_lite.engine.repairs import replay_cpu_adam_beta_powers
 from megatron_lite.layout import Layout
 
 # --- RNG streams ------------------------------------------------------------------------------------------
@@ -175,6 +176,7 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
         universal.load_offloaded(engine, path, ctx.rank)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
+    replay_cpu_adam_beta_powers(engine.optimizer)
     # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where
     # rank r would now play another role): every rank takes rank 0's streams, the same on every rank whatever
     # the layout. Dropout masks follow either way: they are keyed by the step, not drawn from these streams.

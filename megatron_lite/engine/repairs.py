@@ -4,6 +4,7 @@
   reset_backward_hook_count       ZeRO expects a forward before every backward (1F1B's cool-down has none)
   zero_offload_accumulators       CPU offload expects every parameter in a step's first backward (pipelines)
   restore_group_hyperparameters   a load puts the saved optimizer's group hyperparameters in place of this run's
+  replay_cpu_adam_beta_powers     a resumed CPU Adam computes beta^t afresh, not as the running product it kept
   sum_zero3_gradients_over_cp     ZeRO-3's reduce-scatter averages over the sequence-parallel (cp) ranks
   restore_functional_linear       zero.Init(module=...) leaves its own F.linear in torch for the process's life
   forget_run_in_deepspeed_globals DeepSpeed's module globals keep an ended run's model and process groups
@@ -83,6 +84,26 @@ def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
     this run's back (test_resume.py: offload switched on)."""
     for group, saved in zip(optimizer.param_groups, hparams):
         group.update(saved)
+
+
+def replay_cpu_adam_beta_powers(optimizer) -> None:
+    """After a load into DeepSpeed's CPU Adam (CPU or NVMe optimizer offload). Its C++ object keeps beta1^t and
+    beta2^t in float32, multiplied by beta once a step (cpu_adam.h IncrementStep); a fresh object meeting step t+1
+    computes pow(beta, t+1) instead, which differs in the last bit at some t (beta2 = 0.95: t = 6-8, 10-12), so the
+    first update after such a resume differed from the uninterrupted run's (measured: bf16 losses 1.7e-4 off by
+    4 steps later; fp32 < 1e-6). Replaying steps 1..t with no elements leaves the object holding what the
+    uninterrupted run's holds (a few microseconds a step). Without it tests/unit/test_repairs.py fails."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    adam = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds it
+    steps = [int(state["step"]) for state in getattr(adam, "state", {}).values() if "step" in state]
+    if not isinstance(adam, DeepSpeedCPUAdam) or not steps:
+        return
+    group, empty = adam.param_groups[0], torch.empty(0)
+    beta1, beta2 = group["betas"]
+    for step in range(1, max(steps) + 1):
+        adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                     group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
 
 
 def restore_functional_linear() -> None:
