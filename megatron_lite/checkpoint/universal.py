@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import time
 import zlib
 
@@ -78,8 +79,9 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
     parent = os.path.dirname(target)
     if os.path.realpath(parent) == os.path.realpath(path):
         parent = os.path.dirname(os.path.normpath(path))
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.normpath(path))}_{UNIVERSAL}.tmp.{os.getpid()}."
-                               f"{secrets.token_hex(4)}")
+    prefix = os.path.join(parent, f".{os.path.basename(os.path.normpath(path))}_{UNIVERSAL}.tmp.")
+    _remove_killed_conversions(prefix)
+    tmp = f"{prefix}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
     view = tmp + ".input"
     os.makedirs(view)
     try:
@@ -176,6 +178,22 @@ def _with_offloaded_states(path: str, record: dict, out: str) -> None:
         optim["fp32_flat_groups"][sub_group] = flats.pop("fp32")
         optim["optimizer_state_dict"]["state"][sub_group].update(flats)
     torch.save(saved, out)
+
+
+def _remove_killed_conversions(prefix: str) -> None:
+    """Remove what conversions of this checkpoint killed part-way on this host left (<prefix><host>.<pid>.<hex>
+    and its .input view: only the converting process's `finally` removes them), once their process is gone. An
+    NVMe checkpoint's view holds real copies of its optimizer files (_with_offloaded_states): a kill left all
+    its optimizer states behind. Another host's are left alone: its pid means nothing here."""
+    folder, start = os.path.split(prefix)
+    host = socket.gethostname()
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        owner = name[len(start):].split(".")
+        if not name.startswith(start) or len(owner) < 3 or owner[0] != host or not owner[1].isdigit():
+            continue
+        if not os.path.exists(f"/proc/{owner[1]}"):
+            warn(f"removing {os.path.join(folder, name)}, left by a conversion that was killed")
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def _zero0_to_universal(path: str, meta: dict, out: str) -> None:

@@ -2,10 +2,12 @@
 checked before it is used again, made by concurrent jobs without a race, and put elsewhere for a checkpoint
 that cannot be written. Found by trying it from outside: a flipped bit in a cached conversion loaded silently
 (loss inf), a truncated one crashed every restart, and three jobs converting one checkpoint at once crashed
-two of them in DeepSpeed's merge."""
+two of them in DeepSpeed's merge; a conversion killed part-way left its directories for good."""
 
 import multiprocessing
 import os
+import socket
+import subprocess
 
 import torch
 
@@ -45,6 +47,16 @@ def test_a_conversion_is_checked_before_reuse_and_made_once_by_concurrent_jobs(t
     assert sorted(n for n in os.listdir(path) if n.startswith("universal")) == ["universal"]  # no leftovers
     good = _tensors(target)
 
+    # what conversions killed on this host left is removed at the next conversion (an NVMe checkpoint's holds
+    # copies of its optimizer files); a live one's, and another host's, are not
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host, left = socket.gethostname(), os.path.join(os.path.dirname(path), f".{step_name(2)}_universal.tmp.")
+    leftovers = {f"{left}{host}.{dead.pid}.0a0b": False, f"{left}{host}.{dead.pid}.0a0b.input": False,
+                 f"{left}{host}.{os.getpid()}.0c0d": True, f"{left}elsewhere.{dead.pid}.0e0f": True}
+    for leftover in leftovers:
+        os.makedirs(os.path.join(leftover, "zero"))
+
     # a flipped byte in a cached file: converted again (with a warning), never loaded as it is
     victim = os.path.join(target, "zero", "wte.weight", "fp32.pt")
     with open(victim, "r+b") as f:
@@ -53,7 +65,9 @@ def test_a_conversion_is_checked_before_reuse_and_made_once_by_concurrent_jobs(t
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
     assert universal.convert_to_universal(path) == target
-    assert "fails its CRC-32 check" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "fails its CRC-32 check" in said and said.count("left by a conversion that was killed") == 2
+    assert {leftover: os.path.isdir(leftover) for leftover in leftovers} == leftovers
     assert all(torch.equal(good[name], value) for name, value in _tensors(target).items())
 
     # a step directory the job cannot write: the conversion goes under the job's own directory instead
