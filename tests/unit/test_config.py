@@ -276,6 +276,10 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     with pytest.raises(ConfigError, match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme by "
                                           r"an older version, which did not record where its swapped optimizer"):
         load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1)
+    from megatron_lite.checkpoint.weights import load_model_state  # nor export it (DeepSpeed's message was unclear)
+
+    with pytest.raises(ValueError, match=r"zero.offload_optimizer=nvme by a version that did not record where its "):
+        load_model_state(str(step))
     torch.save({"optim_states": "zero_pp_rank_0_mp_rank_00_optim_states.pt", "folder": "offloaded_tensors/rank00",
                 "swapped": {}}, tmp_path / "ckpt" / "step_0000004" / "offload_rank00000.pt")
     assert load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1).zero.stage == 3
