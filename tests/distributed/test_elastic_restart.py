@@ -181,6 +181,7 @@ init_distributed(timeout_s=20)
 total = torch.ones(1)
 dist.all_reduce(total)
 print(int(total.item()), flush=True)
+dist.destroy_process_group()  # as cli.py does: a process leaving gloo's threads to exit aborted at times (-6)
 """
 
 
