@@ -96,8 +96,10 @@ def replay_cpu_adam_beta_powers(optimizer) -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     adam = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds it
-    steps = [int(state["step"]) for state in getattr(adam, "state", {}).values() if "step" in state]
-    if not isinstance(adam, DeepSpeedCPUAdam) or not steps:
+    if not isinstance(adam, DeepSpeedCPUAdam):  # (before reading steps: torch AdamW's are tensors, maybe on a GPU)
+        return
+    steps = [int(state["step"]) for state in adam.state.values() if "step" in state]
+    if not steps:
         return
     group, empty = adam.param_groups[0], torch.empty(0)
     beta1, beta2 = group["betas"]
