@@ -28,7 +28,7 @@ from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store
 from megatron_lite.checkpoint import weights as checkpoint_weights
-from megatron_lite.checkpoint.universal import with_vocab_rows
+from megatron_lite.checkpoint.loaders import with_vocab_rows
 from megatron_lite.checkpoint.writer import AsyncWriter, checkpoint_group
 from megatron_lite.config import Config, data_paths
 from megatron_lite.data.sampler import MicroBatches, open_streams, val_batches

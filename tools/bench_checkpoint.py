@@ -46,10 +46,11 @@ def state_bytes(root: str) -> int:
 
 
 def convert_and_reload(engine, path: str) -> tuple[float, float]:
-    """What resuming this ZeRO-0 checkpoint at another layout costs (checkpoint/universal.py): the conversion to the
+    """What resuming this ZeRO-0 checkpoint at another layout costs (checkpoint/universal.py, checkpoint/loaders.py): the conversion to the
     universal form, then loading every parameter and moment from it, here into the same layout, so the states
     must come back exactly (checked). Returns (conversion seconds, load seconds)."""
-    from megatron_lite.checkpoint.universal import _load_zero0_universal, convert_to_universal
+    from megatron_lite.checkpoint.loaders import _load_zero0_universal
+    from megatron_lite.checkpoint.universal import convert_to_universal
 
     optimizer = engine.optimizer
     before = [t.clone() for t in _states(engine)]

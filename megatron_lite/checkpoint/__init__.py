@@ -1,7 +1,9 @@
 """Checkpoints, one module per idea:
 
 - sharded: DeepSpeed's sharded save and load, the RNG streams
-- universal: the layout-free form a change of layout, ZeRO stage or precision converts to, and our loaders of it
+- universal: the layout-free form a change of layout, ZeRO stage or precision converts to
+- loaders: ours, of the universal form into ZeRO 0-3, and of an NVMe-swapped optimizer at its own layout
+- offload: what a checkpoint of an optimizer swapped to NVMe records, and reading its swap files' copies
 - store: the files (step directories, the manifest, the commit with fsync, candidates, pruning)
 - resume: which checkpoint a run resumes (auto's fallback) and whether it can (layout, data-stream comparisons)
 - weights: weights-only checkpoints and full merged weights (HF import/export)

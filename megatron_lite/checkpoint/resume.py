@@ -124,7 +124,7 @@ def data_stream_changes(saved_config: dict, cfg) -> list[str]:
 
 def check_resume(cfg) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError). Any other
-    layout, ZeRO stage or precision loads (through the universal form and our loaders, checkpoint/universal.py,
+    layout, ZeRO stage or precision loads (through the universal form and our loaders, checkpoint/loaders.py,
     which cut its full fp32 tensors as this run's model builds), NVMe optimizer offload included; a model of
     another shape does not, nor an NVMe checkpoint of a version that did not record its swapped states."""
     from dataclasses import asdict
@@ -157,12 +157,9 @@ def check_resume(cfg) -> None:
         theirs = " ".join(f"model.{key}={override_value(old)}" for key, (_, old) in differ.items())
         raise ConfigError(f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
                           f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir")
-    if meta["kind"] == "deepspeed" and meta["config"].get("zero", {}).get("offload_optimizer") == "nvme":
-        from megatron_lite.checkpoint.universal import offloaded_by_file
+    from megatron_lite.checkpoint import offload
 
-        if not offloaded_by_file(path):
-            # Written before the ranks recorded where their swapped states went (2026-11-29): they are empty in
-            # its optimizer files, and DeepSpeed's own load of it is not exact (checkpoint/universal.py)
-            raise ConfigError(f"checkpoint.resume: {path} was written with zero.offload_optimizer=nvme by an older "
-                              "version, which did not record where its swapped optimizer states are; resume an "
-                              "earlier checkpoint of another offload, or start afresh (checkpoint.resume=never)")
+    if offload.unrecorded(path, meta):
+        raise ConfigError(f"checkpoint.resume: {path} was written with zero.offload_optimizer=nvme by an older "
+                          "version, which did not record where its swapped optimizer states are; resume an "
+                          "earlier checkpoint of another offload, or start afresh (checkpoint.resume=never)")

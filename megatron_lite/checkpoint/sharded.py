@@ -1,7 +1,8 @@
 """Checkpoint contents with a DeepSpeed engine: save (every rank's shards and RNG streams, then rank 0 commits
 through checkpoint/store.py: fsync, manifest, `latest`, pruning) and load. A checkpoint of the job's own layout
 loads through DeepSpeed; any other layout, ZeRO stage or precision through its universal form and our loaders
-(checkpoint/universal.py).
+(checkpoint/universal.py, checkpoint/loaders.py); an optimizer swapped to NVMe also through its swap files'
+copies (checkpoint/offload.py).
 
 Which checkpoint to resume and whether it can be resumed: checkpoint/resume.py. Weights-only checkpoints
 (HF import/export): checkpoint/weights.py.
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpoint import store, universal
+from megatron_lite.checkpoint import loaders, offload, store, universal
 from megatron_lite.checkpoint.resume import warn
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.engine.repairs import replay_cpu_adam_beta_powers
@@ -126,12 +127,12 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned copies have landed before the writer reads them
     files = staging.staged + [(os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"), rng)]
-    offloaded = universal.offloaded_states(engine, ctx.rank)
+    offloaded = offload.record(engine, path, ctx.rank)
     if offloaded is not None:
-        files.append((os.path.join(path, universal.OFFLOADED.format(rank=ctx.rank)), offloaded))
+        files.append(offloaded)
         # DeepSpeed copied this rank's swap files in engine.save, in the foreground and unsynced: the writer fsyncs
         # only the files it writes, and the commit (meta.json) must not reach the disk before them (store.py)
-        store.fsync_tree(os.path.join(path, offloaded["folder"]))
+        store.fsync_tree(os.path.join(path, offloaded[1]["folder"]))
 
     def commit(manifest: dict) -> None:
         _commit(root, path, step, meta, manifest, rng, keep)
@@ -146,9 +147,9 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     tag, path = _prepare(ctx, root, step)
     engine.save(root, tag)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
-    offloaded = universal.offloaded_states(engine, ctx.rank)
+    offloaded = offload.record(engine, path, ctx.rank)
     if offloaded is not None:
-        torch.save(offloaded, os.path.join(path, universal.OFFLOADED.format(rank=ctx.rank)))
+        torch.save(offloaded[1], offloaded[0])
     dist.barrier()  # every rank's files exist
     store.fsync_tree(path)  # this rank's writes (and everyone's, harmlessly) reach the disk
     shares = [None] * ctx.world_size
@@ -167,13 +168,13 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
     saved = Layout.of_checkpoint(meta)
     # An optimizer swapped to NVMe on one side only loads through the universal form (DeepSpeed's load looks for
     # swap files the checkpoint lacks, or leaves its swapped states out); on both sides at the same layout, from
-    # each rank's own files (DeepSpeed's load of that is not exact): checkpoint/universal.py, NVMe offload
-    swaps = universal.swaps_optimizer(engine)
-    if layout.needs_conversion(saved) or swaps != bool(universal.offloaded_by_file(path)):
+    # each rank's own files (DeepSpeed's load of that is not exact): checkpoint/offload.py
+    swaps = offload.swaps_optimizer(engine)
+    if layout.needs_conversion(saved) or swaps != offload.recorded(path):
         target = universal.prepare_universal(path, ctx, scratch)
-        universal.load_into(engine, os.path.join(target, "zero"), layout.zero_stage)
+        loaders.load_into(engine, os.path.join(target, "zero"), layout.zero_stage)
     elif swaps:
-        universal.load_offloaded(engine, path, ctx.rank)
+        loaders.load_offloaded(engine, path, ctx.rank)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
     replay_cpu_adam_beta_powers(engine.optimizer)

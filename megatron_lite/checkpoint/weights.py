@@ -14,7 +14,9 @@ import tempfile
 import torch
 
 from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint.universal import convert_to_universal, offloaded_by_file, universal_dir, universal_tensor
+from megatron_lite.checkpoint import offload
+from megatron_lite.checkpoint.loaders import universal_tensor
+from megatron_lite.checkpoint.universal import convert_to_universal, universal_dir
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.config import ModelConfig
 
@@ -92,11 +94,10 @@ def load_model_state(path: str, verify: bool = True) -> tuple[ModelConfig, dict]
     if "deepspeed" not in sys.modules:  # DeepSpeed logs to stdout from its import on, where a tool's output goes
         with contextlib.redirect_stdout(sys.stderr):  # (generate.py's text): its handler takes stderr instead
             import deepspeed  # noqa: F401
-    swapped = offloaded_by_file(path)
-    if not swapped and meta["config"].get("zero", {}).get("offload_optimizer") == "nvme":
+    if offload.unrecorded(path, meta):
         raise ValueError(f"{path} was written with zero.offload_optimizer=nvme by a version that did not record where "
                          "its swapped weights are (before 2026-11-29); export an earlier checkpoint of another offload")
-    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1 or swapped:
+    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1 or offload.recorded(path):
         return model_cfg, _merged_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))

@@ -48,7 +48,7 @@ def _offload(device: str, nvme_path: str, pin: bool) -> dict:
 
 def deepspeed_config(cfg: Config, dp_size: int) -> dict:
     """Translate our config into DeepSpeed's JSON config. (A checkpoint of another layout loads through our own
-    loaders of the universal form, checkpoint/universal.py, not DeepSpeed's `load_universal`.)"""
+    loaders of the universal form, checkpoint/loaders.py, not DeepSpeed's `load_universal`.)"""
     t, z, o = cfg.train, cfg.zero, cfg.optim
     bf16_params = holds_bf16(resolve_precision(cfg), z.stage)
     offload_opt = z.offload_optimizer != "none"

@@ -78,7 +78,7 @@ def sum_zero3_gradients_over_cp(optimizer, cp_size: int) -> None:
 
 
 def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
-    """After a DeepSpeed 0.19 load (the same layout: another goes through our loaders, checkpoint/universal.py)
+    """After a DeepSpeed 0.19 load (the same layout: another goes through our loaders, checkpoint/loaders.py)
     the groups' hyperparameters are the saved optimizer's: a checkpoint of torch's AdamW loaded into DeepSpeed's
     CPU Adam (CPU offload switched on at a resume) lacks its bias_correction, a KeyError at the first step. Put
     this run's back (test_resume.py: offload switched on)."""

@@ -231,7 +231,7 @@ def test_zero0_resharding_on_resume(tmp_path):
 
 
 def test_zero3_resharding_on_resume(tmp_path):
-    """ZeRO-3 through our universal loaders (checkpoint/universal.py): saved at tp=2 and resumed at tp=1 x dp=2,
+    """ZeRO-3 through our universal loaders (checkpoint/loaders.py): saved at tp=2 and resumed at tp=1 x dp=2,
     into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a number), into
     ZeRO-0 (our cut), into ZeRO-2 and into ZeRO-1 with CPU Adam (the ZeRO 1-2 loader, whose optimizer creates
     its states at the first step: the loader makes them, a Python int step for CPU Adam); a ZeRO-1 checkpoint
@@ -343,7 +343,7 @@ def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
     step 4, exact (1e-6), without a conversion. DeepSpeed 0.19's own load of such a checkpoint (its swap files
     copied back, its optimizer files skipped) resumed 1.1 off in the losses (measured: the in-memory sub-group at
     its initial values, the steps restarted), which was refused until 2026-11-29; now each rank fills its
-    sub-groups from its own files (checkpoint/universal.load_offloaded). Then another layout and offload both ways at 1 rank,
+    sub-groups from its own files (checkpoint/loaders.load_offloaded). Then another layout and offload both ways at 1 rank,
     1e-4, through the universal form and the swap files the ranks recorded (checkpoint/universal.py): the NVMe
     checkpoint into CPU offload, a CPU-offload checkpoint into NVMe; and the NVMe checkpoint's HF export equals
     the CPU-offload run's (the same arithmetic: 1e-6)."""

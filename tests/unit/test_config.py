@@ -249,7 +249,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
                                           r"use model.n_layers=4 model.d_model=128 model.seq_len=128, or"):
         load(args + ["model.n_layers=6", "model.d_model=64", "model.seq_len=64"], world_size=1)
     # Every stage converts to and from every other, at any DP, TP or pipeline layout (our loaders,
-    # checkpoint/universal.py). A tp=1 ZeRO 1-2 checkpoint written before checkpoints recorded their TP split
+    # checkpoint/loaders.py). A tp=1 ZeRO 1-2 checkpoint written before checkpoints recorded their TP split
     # patterns (2026-11-28; DeepSpeed's loader cut by them) loads at tp 2 too: ours cuts as the model builds.
     assert load(args + ["zero.stage=3"], world_size=1).zero.stage == 3
     assert load(args + ["zero.stage=2", "parallel.tp=2"], world_size=2).zero.stage == 2
@@ -262,7 +262,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     cfg = load([f"data.path={data_dir}", "model=llama-tiny"], world_size=1)
     write(0)  # RoPE computes its tables for any length: a llama resumes (or fine-tunes an import) at another seq_len
     assert load(args + ["model=llama-tiny", "model.seq_len=64"], world_size=1).model.seq_len == 64
-    write(3)  # ZeRO-3 resumes at another tp, and ZeRO-0 resumes it (our loaders, checkpoint/universal.py)
+    write(3)  # ZeRO-3 resumes at another tp, and ZeRO-0 resumes it (our loaders, checkpoint/loaders.py)
     assert load(args + ["model=llama-tiny", "zero.stage=3", "parallel.tp=2"], world_size=2).parallel.tp == 2
     assert load(args + ["model=llama-tiny", "zero.stage=0", "parallel.pp=2", "parallel.schedule=gpipe"],
                 world_size=2).parallel.pp == 2
@@ -271,7 +271,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     write(2)
     assert load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1).zero.stage == 3
     # An NVMe-offloaded optimizer resumes through the universal form from the swap files its ranks recorded
-    # (checkpoint/universal.py); one written before they recorded them cannot
+    # (checkpoint/offload.py); one written before they recorded them cannot
     write(3, config={"model": asdict(cfg.model), "zero": {"offload_optimizer": "nvme"}})
     with pytest.raises(ConfigError, match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme by "
                                           r"an older version, which did not record where its swapped optimizer"):
