@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import json
 import os
 import sys
+import time
 import traceback
 from typing import Callable, NoReturn
 
@@ -191,7 +193,24 @@ def _one_line(message: str, code: int) -> int:
     """Print an error once (on rank 0) and return the exit code: 2 configuration, 3 a run that cannot go on."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr)
+    tell_torchrun(message)
     return code
+
+
+def tell_torchrun(message: str, callstack: str | None = None) -> None:
+    """Under torchrun, leave `message` in this rank's error file (TORCHELASTIC_ERROR_FILE) in the form its
+    ErrorHandler writes: the failure summary torchrun prints after every failed run then shows `callstack` (by
+    default the message) as each rank's `traceback`, where it said "error_file: <N/A>" and pointed to its docs,
+    40 lines below our one line. Best effort: a file that cannot be written changes nothing else."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"py_callstack": callstack or message, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+    except OSError:
+        pass
 
 
 MODES = ("--cfg", "--check", "--plan")
@@ -248,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         reporter, message = name_stalled(grace_s=min(2 * cfg.dist.step_timeout_s, 120))
         if dist.get_rank() == reporter:
             print(f"error: {message}", file=sys.stderr, flush=True)
+        tell_torchrun(f"error: {message}")  # every live rank: torchrun's root cause is whichever it saw end first
         return 4
     finally:
         if dist.is_initialized():
@@ -268,8 +288,9 @@ def exit_process(main_function: Callable[[], int | None]) -> NoReturn:
     run before the exit, as they would."""
     try:
         code = main_function()
-    except Exception:
+    except Exception as err:
         traceback.print_exc()
+        tell_torchrun(f"{type(err).__name__}: {err}", traceback.format_exc())
         code = 1
     from megatron_lite.faults import stop
 

@@ -156,14 +156,34 @@ def test_good_config_composes_every_preset(data_dir):
     assert compose_config(["zero.stage=3"]).zero.stage == 3
 
 
-def test_train_py_exits_2_with_one_line_and_no_traceback():
-    env = dict(os.environ, RANK="0", WORLD_SIZE="4")
+def _torchrun_summary(error_file, exitcode: int) -> str:
+    """What torchrun prints after a rank failed with this error file (its ChildFailedError's message)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(error_file))
+    return ChildFailedError("train.py", {0: failure}).format_msg()
+
+
+def test_train_py_exits_2_with_one_line_and_no_traceback(tmp_path):
+    """One line, once; under torchrun it is also the root cause its failure summary gives (cli.tell_torchrun), and
+    a crash's traceback is (before: "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")."""
+    error_file = tmp_path / "error.json"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="4", TORCHELASTIC_ERROR_FILE=str(error_file))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "zero.stage=3", "zero.offload_param=cpu",
                            "train.global_batch_size=6"], env=env, capture_output=True, text=True)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("config error: train.global_batch_size=6")
+    assert f"traceback : {lines[0]}\n" in _torchrun_summary(error_file, 2)
+
+    crash = tmp_path / "crash.json"
+    proc = subprocess.run([sys.executable, "-c", "from megatron_lite.cli import exit_process; exit_process(lambda: 1 / 0)"],
+                          env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(crash), PYTHONPATH=ROOT), capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and "ZeroDivisionError" in proc.stderr
+    summary = _torchrun_summary(crash, 1)
+    assert "traceback : Traceback (most recent call last):" in summary and "ZeroDivisionError: division by zero" in summary
 
 
 def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_path):
