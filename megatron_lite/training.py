@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kernels import describe, resolve_backend
+from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store

@@ -150,7 +150,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
 
     from omegaconf import OmegaConf
 
-    from kernels import resolve_backend
+    from megatron_lite.kernels import resolve_backend
     from megatron_lite.cli import compose_config
     from megatron_lite.engine import Engine
     from megatron_lite.model.build import build_model

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cross_entropy, gelu, layernorm, rmsnorm, rope, swiglu  # noqa: E402
+from megatron_lite.kernels import cross_entropy, gelu, layernorm, rmsnorm, rope, swiglu  # noqa: E402
 from tools.commit import git_commit  # noqa: E402
 
 

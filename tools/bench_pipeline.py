@@ -278,7 +278,7 @@ class CallCounter(CommCounter):
 
 def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     """One pp=2 x dp=2 training step with zero.stage=stage, collectives counted by group and phase."""
-    from kernels import resolve_backend
+    from megatron_lite.kernels import resolve_backend
     from megatron_lite.cli import load
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine

@@ -1,9 +1,9 @@
-"""Sweep the launch shape of the row-wise norm kernels (kernels/rmsnorm.py, kernels/layernorm.py) on a GPU.
+"""Sweep the launch shape of the row-wise norm kernels (megatron_lite/kernels/: rmsnorm.py, layernorm.py) on a GPU.
 
     python tools/tune_norm_kernels.py --out bench/results/tune_norm_h100.json
     TRITON_INTERPRET=1 python tools/tune_norm_kernels.py --quick     # CPU: every configuration runs and is right
 
-Two knobs, both in kernels/row_tiles.py: TILE_ELEMENTS (elements per program's tile: rows per program =
+Two knobs, both in megatron_lite/kernels/row_tiles.py: TILE_ELEMENTS (elements per program's tile: rows per program =
 TILE_ELEMENTS / padded row width, and num_warps follows the tile) and MAX_BWD_PROGRAMS (the backward's grid
 cap: each program loops over row tiles and writes one row of fp32 gain/bias partial sums). More programs might
 hide more of a loop iteration's load latency, at the cost of a larger partial buffer to sum; on an H100
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import layernorm, rmsnorm, row_tiles  # noqa: E402
+from megatron_lite.kernels import layernorm, rmsnorm, row_tiles  # noqa: E402
 from tools.bench_kernels import copy_bandwidth, gpu_timer, kernel_device, run_case, timer  # noqa: E402
 from tools.commit import git_commit  # noqa: E402
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import OPS, ops
+from megatron_lite.kernels import OPS, ops
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
 from megatron_lite.parallel import weight_grad
@@ -133,7 +133,7 @@ class Rope(NamedTuple):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (kernels/rope.py)."""
+    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (megatron_lite/kernels/rope.py)."""
     return ops.apply_rope(x, cos, sin, backend)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kernels import ops
+from megatron_lite.kernels import ops
 from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
 from megatron_lite.model.layout import fused_segments
 from megatron_lite.parallel import weight_grad
@@ -90,7 +90,7 @@ class VocabParallelHead(nn.Module):
         logits = weight_grad.head_linear(h, weight)  # (b, s, V_padded/tp)
         valid = self.vocab_size - self.vocab_start  # ids at or past the true vocabulary are padding
         if labels is not None and self.kernel_backend == "triton":  # the kernel skips padded columns itself
-            from kernels.cross_entropy import cross_entropy_triton  # imports Triton
+            from megatron_lite.kernels.cross_entropy import cross_entropy_triton  # imports Triton
 
             return cross_entropy_triton(logits.flatten(0, 1), labels.flatten(), valid, self.vocab_start,
                                         self.tp_group).mean()

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels import OPS, TRITON_FASTER_ON_CUDA, describe, resolve_backend
+from megatron_lite.kernels import OPS, TRITON_FASTER_ON_CUDA, describe, resolve_backend
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import triton
 
-from kernels import OPS, ops
+from megatron_lite.kernels import OPS, ops
 
 
 class _NoLaunch:

@@ -1,5 +1,5 @@
-"""kernels/cross_entropy.py against torch's cross entropy: per-token loss and the logits gradient, fp32 and
-bf16, odd shapes, vocabulary padding, and the in-place gradient (no second logits-sized buffer). The
+"""megatron_lite/kernels/cross_entropy.py against torch's cross entropy: per-token loss and the logits gradient,
+fp32 and bf16, odd shapes, vocabulary padding, and the in-place gradient (no second logits-sized buffer). The
 vocabulary-parallel combination across TP ranks is tested in tests/distributed/tp_worker.py (tp=2 and 4).
 Measured max |diff| (fp32): loss 1.9e-6, gradient 3.0e-7; bf16 gradients within one bf16 ulp (3.9e-3)."""
 
@@ -18,7 +18,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=8e-3
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows, vocab, n_valid", [(37, 1000, 1000), (64, 2500, 2431), (5, 3, 3), (17, 1030, 1025)])
 def test_matches_torch_forward_and_backward(device, dtype, rows, vocab, n_valid):
-    from kernels.cross_entropy import cross_entropy_reference, cross_entropy_triton
+    from megatron_lite.kernels.cross_entropy import cross_entropy_reference, cross_entropy_triton
 
     gen = torch.Generator().manual_seed(rows)
     logits = (torch.randn(rows, vocab, generator=gen) * 4).to(device=device, dtype=dtype)
@@ -41,7 +41,7 @@ def test_matches_torch_forward_and_backward(device, dtype, rows, vocab, n_valid)
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradient_is_written_over_the_logits(device):
     """Backward allocates no logits-sized buffer: the gradient it returns is the logits' own storage."""
-    from kernels.cross_entropy import cross_entropy_triton
+    from megatron_lite.kernels.cross_entropy import cross_entropy_triton
 
     logits = torch.randn(8, 300, device=device)
     leaf = logits.clone().requires_grad_()
@@ -55,7 +55,7 @@ def test_gradient_is_written_over_the_logits(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_extreme_logits_stay_finite(device):
-    from kernels.cross_entropy import cross_entropy_reference, cross_entropy_triton
+    from megatron_lite.kernels.cross_entropy import cross_entropy_reference, cross_entropy_triton
 
     logits = torch.tensor([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4], [88.0, 89.0, 90.0]], device=device)
     labels = torch.tensor([1, 2, 0], device=device)
@@ -70,7 +70,7 @@ def test_one_vocabulary_shard_alone(device, vocab_start, n_valid):
     labels on and off it: without a TP group the loss is this shard's log-sum-exp minus the label's logit
     where the shard owns it. (Labels owned by the other shard once landed on masked columns of the first
     shard's last block and gave -inf; tests/distributed covers tp=2 whole.)"""
-    from kernels.cross_entropy import cross_entropy_triton
+    from megatron_lite.kernels.cross_entropy import cross_entropy_triton
 
     gen = torch.Generator().manual_seed(3)
     shard = torch.randn(40, 512, generator=gen).to(device)

@@ -1,5 +1,5 @@
 """Triton's GPU compiler refuses a kernel that reads a module global which is not a `tl.constexpr` (a plain
-float, say); its CPU interpreter accepts it, so the CPU tests alone missed this once (kernels/gelu.py's
+float, say); its CPU interpreter accepts it, so the CPU tests alone missed this once (megatron_lite/kernels/gelu.py's
 constants failed every GeLU launch on the first H100). This reads every @triton.jit kernel's globals."""
 
 import importlib
@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-import kernels
+from megatron_lite import kernels
 
-MODULES = [importlib.import_module(f"kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+MODULES = [importlib.import_module(f"{kernels.__name__}.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
 KERNEL_TYPES = (triton.runtime.JITFunction, InterpretedFunction)  # the latter under TRITON_INTERPRET=1
 ALLOWED = (types.ModuleType, tl.constexpr, *KERNEL_TYPES, type(None))
 

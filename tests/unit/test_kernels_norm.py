@@ -1,4 +1,4 @@
-"""kernels/rmsnorm.py and kernels/layernorm.py against their torch references: output, d x, d weight and
+"""rmsnorm.py and layernorm.py (megatron_lite/kernels/) against their torch references: output, d x, d weight and
 d bias, fp32 and bf16, rows not a multiple of the row tile and widths that are not powers of two.
 
 fp32 is compared with the reference on the same inputs. bf16 is compared with the fp32 reference of the
@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from kernels import layernorm, rmsnorm
+from megatron_lite.kernels import layernorm, rmsnorm
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                         reason="Triton on CPU needs TRITON_INTERPRET=1")),

@@ -1,4 +1,4 @@
-"""kernels/rope.py, kernels/swiglu.py and kernels/gelu.py against their torch references: outputs and every
+"""rope.py, swiglu.py and gelu.py (megatron_lite/kernels/) against their torch references: outputs and every
 input gradient, fp32 and bf16, odd shapes (rows not a multiple of the tile, widths not powers of two), and
 RoPE on the transposed (b, heads, s, hd) view the attention layer passes.
 
@@ -57,7 +57,7 @@ def _check(fn, ref_fn, inputs, function_name, dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b, heads, s, hd", [(2, 3, 37, 16), (1, 5, 67, 80), (2, 2, 130, 64)])
 def test_rope_matches_reference(device, dtype, b, heads, s, hd):
-    from kernels.rope import apply_rope_reference, apply_rope_triton
+    from megatron_lite.kernels.rope import apply_rope_reference, apply_rope_triton
 
     cos, sin = rope_cos_sin(s, hd, 10000.0, device=device)
     gen = torch.Generator().manual_seed(s)
@@ -80,7 +80,7 @@ def test_rope_matches_reference(device, dtype, b, heads, s, hd):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rope_rows_of_a_strided_split(device):
     """q from a fused qkv projection: a split of the last dim, viewed and transposed (no dense layout)."""
-    from kernels.rope import apply_rope_reference, apply_rope_triton
+    from megatron_lite.kernels.rope import apply_rope_reference, apply_rope_triton
 
     b, s, heads, hd = 2, 19, 3, 16
     qkv = torch.randn(b, s, 3 * heads * hd, device=device)
@@ -94,7 +94,7 @@ def test_rope_rows_of_a_strided_split(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, f", [((3, 37), 96), ((45,), 777), ((2, 5), 130)])
 def test_swiglu_matches_reference(device, dtype, shape, f):
-    from kernels.swiglu import swiglu_reference, swiglu_triton
+    from megatron_lite.kernels.swiglu import swiglu_reference, swiglu_triton
 
     h = (torch.randn(*shape, 2 * f, generator=torch.Generator().manual_seed(f)) * 3).to(device=device, dtype=dtype)
     _check(swiglu_triton, swiglu_reference, [h], "_SwiGLU", dtype, seed=f)
@@ -102,7 +102,7 @@ def test_swiglu_matches_reference(device, dtype, shape, f):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_swiglu_gradient_is_one_buffer_laid_out_like_h(device):
-    from kernels.swiglu import swiglu_triton
+    from megatron_lite.kernels.swiglu import swiglu_triton
 
     h = torch.randn(4, 6, 2 * 50, device=device, requires_grad=True)
     swiglu_triton(h).sum().backward()  # a stride-0 (expanded) incoming gradient
@@ -115,7 +115,7 @@ def test_swiglu_gradient_is_one_buffer_laid_out_like_h(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, n, with_bias", [((3, 37), 96, True), ((45,), 777, True), ((2, 33), 130, False)])
 def test_bias_gelu_matches_reference(device, dtype, shape, n, with_bias):
-    from kernels.gelu import bias_gelu_reference, bias_gelu_triton
+    from megatron_lite.kernels.gelu import bias_gelu_reference, bias_gelu_triton
 
     gen = torch.Generator().manual_seed(n)
     x = (torch.randn(*shape, n, generator=gen) * 3).to(device=device, dtype=dtype)
@@ -130,7 +130,7 @@ def test_bias_gelu_matches_reference(device, dtype, shape, n, with_bias):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bias_gelu_extremes_and_determinism(device):
     """Large |x| saturates without inf/NaN (sigmoid form of tanh); d bias is the same on every run."""
-    from kernels.gelu import bias_gelu_reference, bias_gelu_triton
+    from megatron_lite.kernels.gelu import bias_gelu_reference, bias_gelu_triton
 
     x = torch.tensor([[-1e4, -30.0, -5.0, 0.0, 5.0, 30.0, 1e4]] * 70, device=device)
     bias = torch.zeros(7, device=device, requires_grad=True)

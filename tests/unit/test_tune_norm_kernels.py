@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kernels import layernorm, rmsnorm, row_tiles
+from megatron_lite.kernels import layernorm, rmsnorm, row_tiles
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 

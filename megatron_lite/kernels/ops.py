@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-from kernels import BACKENDS, OPS
+from megatron_lite.kernels import BACKENDS, OPS
 
-# Each op of kernels.OPS: the file in kernels/ that holds it and its functions' stem (<stem>_triton, <stem>_reference).
+# Each op of OPS: the file in this package that holds it and its functions' stem (<stem>_triton, <stem>_reference).
 _SOURCES = {"rmsnorm": ("rmsnorm", "rms_norm"), "layernorm": ("layernorm", "layer_norm"),
             "rope": ("rope", "apply_rope"), "swiglu": ("swiglu", "swiglu"), "bias_gelu": ("gelu", "bias_gelu"),
             "cross_entropy": ("cross_entropy", "cross_entropy")}
@@ -26,7 +26,7 @@ def _op(op: str, backend: str) -> Callable:
         assert backend in BACKENDS, backend
         module, stem = _SOURCES[op]
         suffix = "triton" if backend == "triton" else "reference"
-        fn = _RESOLVED[op, backend] = getattr(importlib.import_module(f"kernels.{module}"), f"{stem}_{suffix}")
+        fn = _RESOLVED[op, backend] = getattr(importlib.import_module(f"{__package__}.{module}"), f"{stem}_{suffix}")
     return fn
 
 

@@ -10,8 +10,8 @@ On a machine without a GPU, Triton runs in its interpreter (TRITON_INTERPRET=1, 
 imported): slow, and meant for tests. Attention stays on torch's scaled_dot_product_attention (flash on
 GPU); a Triton attention would have to beat it on a GPU first, and none was measured.
 
-This top-level package shadows PyPI's unrelated `kernels` package (which transformers probes for); the two
-cannot be installed side by side.
+This package lives inside megatron_lite, not at the repository's top: a top-level `kernels` would be Hugging Face's
+package (transformers requires it) to any script run from the root, and shadow it (README, Installing).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.row_tiles import MAX_BWD_PROGRAMS, as_rows, row_tile
+from megatron_lite.kernels.row_tiles import MAX_BWD_PROGRAMS, as_rows, row_tile
 
 
 
