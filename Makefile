@@ -1,31 +1,44 @@
 # megatron_lite: `make train` and `make test` work on a fresh machine (they install what is missing).
 # The virtual environment lives in .venv/. It sees system site-packages so that an already-installed torch
-# (e.g. a cluster's CUDA build) is kept; if there is none, we install the CPU build on machines without a
-# GPU (torch==2.13.0 is a local wheel there) and the default CUDA build otherwise.
+# (e.g. a cluster's CUDA build) is kept; if there is none, the lock's torch is installed (torch==2.13.0: the CPU
+# build on this machine, where it lies on disk). Every other package comes at the version requirements.lock pins
+# (README, Installing): a new upstream release enters only through `make lock`, a commit that passes the suite.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements.lock
+PINS   := $(VENV)/constraints.txt
 ARGS   ?=
 # An offline machine installs from wheelhouse/ (built elsewhere by `make wheelhouse`) with no network at all.
 WHEELHOUSE ?= wheelhouse
 PYVER  ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 OFFLINE = $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(WHEELHOUSE),)
 
-.PHONY: install system-deps ops test-ops data train test test-fast bench bench-gpu wheelhouse clean
+.PHONY: install lock system-deps ops test-ops data train test test-fast bench bench-gpu wheelhouse clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# torch first (the machine's, else the lock's), then the lock's pins for that torch (tools/lock.py constraints:
+# a machine's own torch keeps what it requires), then everything at those pins. Source distributions (DeepSpeed)
+# build without isolation, with the locked setuptools, and the install ends by checking every version.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || { \
-	  if [ -n "$(OFFLINE)" ]; then echo "no torch here and installing offline from $(WHEELHOUSE)/: install the machine's torch first"; exit 1; \
-	  elif command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	  else $(PY) -m pip install -q torch==2.13.0; fi; }
-	$(if $(OFFLINE),$(PY) -m pip install -q $(OFFLINE) "setuptools>=70.1" &&) \
-	  $(PY) -m pip install -q $(OFFLINE) $(if $(OFFLINE),--no-build-isolation) -e ".[dev]"
+	  if [ -n "$(OFFLINE)" ]; then echo "no torch here and installing offline from $(WHEELHOUSE)/: install the machine's torch first"; exit 1; fi; \
+	  $(PY) -m pip install -q "$$($(PY) tools/lock.py torch)"; }
+	$(PY) -m pip install -q $(OFFLINE) -c $(LOCK) setuptools packaging
+	$(PY) tools/lock.py constraints $(PINS)
+	$(PY) -m pip install -q $(OFFLINE) --no-build-isolation -c $(PINS) -e ".[dev]"
+	$(PY) tools/lock.py check $(PINS)
 	touch $(STAMP)
+
+# Re-resolve every package to today's newest release (torch stays at the lock's; TORCH=x.y.z to move it) and
+# rewrite requirements.lock; `make install` then installs it. Commit the new lock only with a passing `make test`.
+lock:
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) tools/lock.py write $(if $(TORCH),--torch $(TORCH))
 
 # Every wheel beyond torch for an offline node: `make wheelhouse PYVER=3.12`, copy the folder next to the
 # checkout there, then `make install` (or `make bench-gpu`) uses it without the network (docs/performance.md, "Performance").

@@ -1,12 +1,13 @@
 """Build a wheelhouse: every wheel megatron_lite needs beyond torch, for an offline machine.
 
-GPU nodes are often offline. This collects, on a machine with the package index, the exact versions this
-machine's environment resolved for megatron_lite (its requirements and theirs, walked from the installed
-metadata), for a target Python version and platform, into one folder:
+GPU nodes are often offline. This collects, on a machine with the package index, the versions requirements.lock
+pins (what `make install` installs everywhere), for a target Python version and platform, into one folder:
 
     python tools/wheelhouse.py --python-version 3.12 --out wheelhouse          # or: make wheelhouse PYVER=3.12
 
-On the offline machine, `make install` finds wheelhouse/ and installs from it with `--no-index`.
+On the offline machine, `make install` finds wheelhouse/ and installs from it with `--no-index`, at the lock's pins.
+The lock was resolved for the Python that wrote it; a package that another Python needs beyond it (a backport, say)
+is not in the wheelhouse, and the offline install names it.
 
 torch, triton and NVIDIA's CUDA libraries are left out: a GPU machine brings its own CUDA build of torch and
 the matching triton, and the Makefile keeps an existing torch. A package published only as a source
@@ -24,49 +25,15 @@ import os
 import re
 import subprocess
 import sys
-from importlib import metadata
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import lock  # noqa: E402
+from tools.lock import canonical  # noqa: E402
 
 # Never in the wheelhouse: the machine's own CUDA build of torch brings these.
 LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pip)$")
-# Building megatron_lite itself (an editable install without build isolation) needs setuptools with bdist_wheel.
-BUILD_REQUIREMENTS = ("setuptools",)
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirements(dist: metadata.Distribution, extras: set[str]) -> list[str]:
-    """Names of dist's requirements that apply here (markers evaluated for this interpreter, with extras)."""
-    from packaging.requirements import Requirement
-
-    names = []
-    for line in dist.requires or []:
-        req = Requirement(line)
-        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
-            names.append(req.name)
-    return names
-
-
-def closure(root: str = "megatron_lite", extras: tuple[str, ...] = ("dev",)) -> dict[str, str]:
-    """{canonical name: installed version} of root's requirements, transitively, torch's stack left out."""
-    found: dict[str, str] = {}
-    todo = [(root, set(extras))]
-    while todo:
-        name, wanted = todo.pop()
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            raise SystemExit(f"wheelhouse: {name} is required but not installed here; run `make install` first")
-        for dep in requirements(dist, wanted):
-            key = canonical(dep)
-            if key in found or LEFT_OUT.match(key):
-                continue
-            found[key] = metadata.version(dep)
-            todo.append((dep, set()))
-    return found
 
 
 def pip(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -108,8 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     skip = {canonical(s) for s in args.skip.split(",") if s}
-    needed = {**closure(), **{name: metadata.version(name) for name in BUILD_REQUIREMENTS}}
-    pins = {k: v for k, v in sorted(needed.items()) if k not in skip}
+    pins = {k: v for k, v in lock.read().items() if k not in skip and not LEFT_OUT.match(k)}
     os.makedirs(args.out, exist_ok=True)
     target = ["--python-version", args.python_version, "--implementation", "cp"]
     for plat in args.platform or PLATFORMS:

@@ -256,11 +256,16 @@ def test_zero3_resharding_on_resume(tmp_path):
 def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
     """bf16, where the stages keep different formats (ZeRO-0 fp32 parameters under autocast, ZeRO 1-2 bf16 ones
     beside fp32 masters; every state is a full fp32 tensor in the universal form): ZeRO-0 -> ZeRO-1 and ZeRO-1 ->
-    ZeRO-0 at step 4 of 8 follow the straight run of the stage they continue in within 5e-2; so do a change of
-    precision, which converts (refused until 2026-11-29): bf16 ZeRO-1 (DeepSpeed's bf16 optimizer) resumed in
-    fp32 at ZeRO-2, and fp32 ZeRO-2 resumed in bf16, each against the straight run it continues. The stages'
-    own straight runs part by up to 3.1e-2 by step 8 (measured; the resumed runs by 2.6e-2, 1.8e-2, 1.4e-2 and
-    2.1e-2); a lost moment or step count moves the losses by ~1."""
+    ZeRO-0 at step 4 of 8 follow the straight run of the stage they continue in; so do a change of precision,
+    which converts: bf16 ZeRO-1 (DeepSpeed's bf16 optimizer) resumed in fp32 at ZeRO-2, and fp32 ZeRO-2 resumed in
+    bf16, each against the straight run it continues.
+
+    Steps 5-7 are compared, within 1e-2. Measured: the four resumed runs differ from their straight runs by at most
+    7.0e-4 there (the stages' own straight runs by 8.6e-4); with the loaders broken on purpose, a lost step count
+    moves step 6 by 2.1e-2 and step 7 by 1.3, lost moments step 6 by 5.3e-2 and step 7 by 1.5, in all four cases.
+    Step 8 is not compared: it follows a jump of the loss (5.29 -> 6.0) at which the two stages' own straight runs
+    already part by 4.5e-2 on one machine, and where the resumed ones parted by 5.4e-2 on that machine and by 7.8e-2
+    on another with the same torch and DeepSpeed (the bound of 5e-2 on all four steps failed there every time)."""
     def run(name: str, stage: int, *extra: str, precision: str = "bf16") -> list[str]:
         return overrides(tmp_path, name, *STEPS8, f"train.precision={precision}", f"zero.stage={stage}",
                          "checkpoint.interval=4", *extra)
@@ -277,8 +282,8 @@ def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
                                     (to_fp32, z1, "ZeRO-1 -> fp32 ZeRO-2"),
                                     (to_bf16, z2_fp32, "fp32 ZeRO-2 -> bf16 ZeRO-2")):
         assert len(resumed["losses"]) == 4, what
-        gap = max_abs_diff(resumed["losses"], straight["losses"][-4:])
-        assert gap <= 5e-2, f"bf16 {what} at step 4: losses differ from the straight run by {gap:.2e}"
+        gap = max_abs_diff(resumed["losses"][:3], straight["losses"][4:7])
+        assert gap <= 1e-2, f"bf16 {what} at step 4: losses at steps 5-7 differ from the straight run by {gap:.2e}"
 
 
 def test_hf_export_from_tp2_equals_export_from_tp1(tmp_path):

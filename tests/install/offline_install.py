@@ -27,7 +27,7 @@ from importlib import metadata
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tools.wheelhouse import requirements  # noqa: E402  (the markers evaluated as the wheelhouse does)
+from tools.lock import requirements  # noqa: E402
 
 UNREACHABLE = "http://127.0.0.1:9"  # nothing listens there: any download fails at once
 # what the clone's environment must import: the product and what it runs on
@@ -42,7 +42,7 @@ def _requirement_closure(name: str) -> set[str]:
         if dist.metadata["Name"] in seen:
             continue
         seen.add(dist.metadata["Name"])
-        todo += requirements(dist, set())
+        todo += [req.name for req in requirements(dist.metadata["Name"])]
     return seen
 
 
