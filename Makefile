@@ -16,7 +16,7 @@ WHEELHOUSE ?= wheelhouse
 PYVER  ?= $(shell $(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 OFFLINE = $(if $(wildcard $(WHEELHOUSE)/*.whl),--no-index --find-links $(WHEELHOUSE),)
 
-.PHONY: install lock system-deps ops test-ops data train test test-fast bench bench-gpu wheelhouse clean
+.PHONY: install lock lint system-deps ops test-ops data train test test-fast bench bench-gpu wheelhouse clean
 
 install: $(STAMP)
 
@@ -80,12 +80,17 @@ ops: install system-deps
 test-ops: install system-deps
 	$(PY) tools/build_ops.py ShareMemCommBuilder CPUAdamBuilder
 
-# test: everything. test-fast: each feature once, by its cheapest case (it skips the cases marked `slow`,
-# see pyproject.toml). Both print the 30 slowest tests.
-test: data test-ops
+# ruff's linter and formatter (pyproject.toml, [tool.ruff]); `ruff format .` and `ruff check --fix .` repair most.
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# test: lint, then everything. test-fast: each feature once, by its cheapest case (it skips the cases marked
+# `slow`, see pyproject.toml). Both print the 30 slowest tests.
+test: lint data test-ops
 	$(PY) -m pytest -q tests $(ARGS)
 
-test-fast: data test-ops
+test-fast: lint data test-ops
 	$(PY) -m pytest -q tests -m "not slow" $(ARGS)
 
 bench: data

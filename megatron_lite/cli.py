@@ -13,7 +13,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -49,9 +50,13 @@ def _explain(override: str, err: Exception) -> str:
         keys = _leaf_keys(OmegaConf.to_container(schema, resolve=False))
         close = difflib.get_close_matches(key.lstrip("+~"), keys, n=1, cutoff=0.8)
         group = key.lstrip("+~").split(".")[0]
-        fix = (f"did you mean {close[0]}=...?" if close else
-               f"see README 'Configuration' for the keys of `{group}`" if group in schema else
-               f"the groups are {', '.join(k for k in schema if OmegaConf.is_dict(schema[k]))} and seed")
+        fix = (
+            f"did you mean {close[0]}=...?"
+            if close
+            else f"see README 'Configuration' for the keys of `{group}`"
+            if group in schema
+            else f"the groups are {', '.join(k for k in schema if OmegaConf.is_dict(schema[k]))} and seed"
+        )
         return f"{key}={value} is not a config key ({first}); {fix}"
     default = OmegaConf.select(schema, key.lstrip("+~"), default=_ABSENT, throw_on_missing=False)
     if default is not _ABSENT and default is not None and not OmegaConf.is_config(default):
@@ -83,9 +88,11 @@ def compose_config(overrides: list[str]) -> DictConfig:
     for o in overrides:  # Hydra's `+key=value` adds a key the schema lacks: a typo would be kept and never read
         key, _, value = o.partition("=")
         if key.startswith("+") and OmegaConf.select(schema, key.lstrip("+"), default=_ABSENT) is _ABSENT:
-            raise ConfigError(f"{key.lstrip('+')}={value} is not a config key (given as {key}={value}; a leading + adds "
-                              f"keys, and this schema has none to add); see README 'Configuration' for the keys of "
-                              f"`{key.lstrip('+').split('.')[0]}`")
+            raise ConfigError(
+                f"{key.lstrip('+')}={value} is not a config key (given as {key}={value}; a leading + adds "
+                f"keys, and this schema has none to add); see README 'Configuration' for the keys of "
+                f"`{key.lstrip('+').split('.')[0]}`"
+            )
     try:
         return _compose(overrides)
     except Exception as err:  # find the override that breaks composition and name it
@@ -111,8 +118,10 @@ def env_world_size() -> int:
     except ValueError:
         world = 0
     if world < 1:
-        raise ConfigError(f"WORLD_SIZE={value} is not a number of ranks (an integer >= 1); unset it for one process, "
-                          "or export WORLD_SIZE=N to check a layout for N ranks")
+        raise ConfigError(
+            f"WORLD_SIZE={value} is not a number of ranks (an integer >= 1); unset it for one process, "
+            "or export WORLD_SIZE=N to check a layout for N ranks"
+        )
     return world
 
 
@@ -133,17 +142,23 @@ def _check(cfg: Config, json_path: str | None) -> int:
     world = env_world_size()
     c = cfg.cluster
     if c.nodes is not None and world > c.nodes * c.gpus_per_node:
-        return _one_line(f"config error: cluster.nodes={c.nodes} holds {c.nodes * c.gpus_per_node} GPUs "
-                         f"(cluster.gpus_per_node={c.gpus_per_node}), fewer than the {world} ranks of WORLD_SIZE; use "
-                         f"cluster.nodes={-(-world // c.gpus_per_node)}, or leave it null to derive it", 2)
+        return _one_line(
+            f"config error: cluster.nodes={c.nodes} holds {c.nodes * c.gpus_per_node} GPUs "
+            f"(cluster.gpus_per_node={c.gpus_per_node}), fewer than the {world} ranks of WORLD_SIZE; use "
+            f"cluster.nodes={-(-world // c.gpus_per_node)}, or leave it null to derive it",
+            2,
+        )
     cluster = cluster_from_config(c, world)
     precision = planning_precision(cfg)
     prediction = predict(cfg.model, Layout.from_config(cfg, world), cluster, precision)
     if json_path:
         write_json(json_path, [prediction])
     if not prediction.fits:
-        return _one_line("config error: " + does_not_fit(prediction, cluster, fixes(cfg.model, prediction.layout,
-                                                                                      cluster, precision)), 2)
+        return _one_line(
+            "config error: "
+            + does_not_fit(prediction, cluster, fixes(cfg.model, prediction.layout, cluster, precision)),
+            2,
+        )
     if int(os.environ.get("RANK", "0")) == 0:
         print(check_line(prediction, cluster))
         for note in notes(cfg):
@@ -163,8 +178,10 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
         key, _, value = override.partition("=")
         key = key.lstrip("+")
         if key in UNSEARCHED:
-            raise ConfigError(f"{key}={value} is not among what --plan searches ({UNSEARCHED[key]}); leave it out, and "
-                              f"`train.py --check` a layout with it")
+            raise ConfigError(
+                f"{key}={value} is not among what --plan searches ({UNSEARCHED[key]}); leave it out, and "
+                f"`train.py --check` a layout with it"
+            )
     # A searched knob given on the command line pins it: only layouts with that value are ranked.
     given = OmegaConf.structured(cfg)
     pinned = tuple((PINNABLE[key], OmegaConf.select(given, key)) for key in PINNABLE if key in keys)
@@ -183,8 +200,11 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     if json_path:
         write_json(json_path, found)
     if not found:
-        return _one_line("config error: " + why_none(cfg.model, cfg.train.global_batch_size, cluster.world_size,
-                                                     cluster.gpus_per_node, space), 2)
+        return _one_line(
+            "config error: "
+            + why_none(cfg.model, cfg.train.global_batch_size, cluster.world_size, cluster.gpus_per_node, space),
+            2,
+        )
     print(plan_table(found, 10, cluster))
     return 0 if any(p.fits for p in found) else 2
 
@@ -223,19 +243,21 @@ def _json_option(args: list[str]) -> tuple[list[str], str | None]:
     i = args.index("--json")
     if i + 1 >= len(args) or "=" in args[i + 1]:
         raise ConfigError("--json needs a file path, e.g. --json plan.json")
-    return args[:i] + args[i + 2:], args[i + 1]
+    return args[:i] + args[i + 2 :], args[i + 1]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: train.py [key=value ...]   e.g. model=gpt2-124m zero.stage=2 train.steps=100\n"
-              "       train.py --cfg [key=value ...]   print the composed config and exit\n"
-              "       train.py --check [key=value ...] [--json PATH]   validate it for WORLD_SIZE ranks, predict its\n"
-              "                memory, step time and MFU on the cluster (cluster.*), exit 0, or 2 if it does not fit\n"
-              "       train.py --plan [key=value ...] [--json PATH]   rank every layout of the model and batch on\n"
-              "                cluster.nodes x cluster.gpus_per_node GPUs (a parallel.*, zero.* or micro-batch key\n"
-              "                given pins that setting)")
+        print(
+            "usage: train.py [key=value ...]   e.g. model=gpt2-124m zero.stage=2 train.steps=100\n"
+            "       train.py --cfg [key=value ...]   print the composed config and exit\n"
+            "       train.py --check [key=value ...] [--json PATH]   validate it for WORLD_SIZE ranks, predict its\n"
+            "                memory, step time and MFU on the cluster (cluster.*), exit 0, or 2 if it does not fit\n"
+            "       train.py --plan [key=value ...] [--json PATH]   rank every layout of the model and batch on\n"
+            "                cluster.nodes x cluster.gpus_per_node GPUs (a parallel.*, zero.* or micro-batch key\n"
+            "                given pins that setting)"
+        )
         return 0
     mode = argv[0] if argv[:1] and argv[0] in MODES else None
     try:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 from omegaconf import MISSING
-
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_PRESETS = ("tiny", "gpt2-124m", "gpt2-350m", "gpt-1.3b", "llama-7b", "llama-tiny")
@@ -27,11 +26,11 @@ class ModelConfig:
     """Number of transformer blocks."""
     n_heads: int = 4
     """Attention (query) heads."""
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means n_heads (plain multi-head attention)."""
     d_model: int = 128
     """Hidden size."""
-    ffn_hidden: Optional[int] = None
+    ffn_hidden: int | None = None
     """MLP inner size; None means 4 * d_model."""
     vocab_size: int = 8192
     """Tokenizer vocabulary; the embedding is padded up to a multiple of `vocab_multiple` * tp."""
@@ -85,7 +84,7 @@ class ParallelConfig:
     """Pipeline schedule: auto (interleaved when vpp > 1, else 1f1b), gpipe, 1f1b, interleaved, zb_h1 (zero
     bubble: weight gradients delayed into 1F1B's idle slots, about a third of its bubble at the same memory) or
     zbv (vpp=2 in a V, about a sixth)."""
-    pp_layers: Optional[list[int]] = None
+    pp_layers: list[int] | None = None
     """Layers per virtual stage (pp * vpp entries, in virtual-stage order); None splits model.n_layers evenly."""
     cp: int = 1
     """Context-parallel size: each sequence is split over this many ranks (long contexts); dp = world / (tp*cp*pp)."""
@@ -138,10 +137,10 @@ class TrainConfig:
     then costs 1 + (number of datasets) passes."""
     log_interval: int = 1
     """Console progress-line update every N steps (metrics.jsonl always gets every step)."""
-    profile_steps: Optional[List[int]] = None
+    profile_steps: list[int] | None = None
     """[first, last]: record torch.profiler over these steps (inclusive) and write a Chrome trace and an op table
     per profiled rank to ${run.dir}/profile/ (megatron_lite/profiling.py); null = never."""
-    profile_ranks: List[int] = field(default_factory=lambda: [0])
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
     """The global ranks that profile train.profile_steps."""
     track_memory: bool = False
     """On a CPU, measure every rank's peak live tensor bytes per step (mem_peak_gib) with a dispatch-mode tracker;
@@ -171,10 +170,10 @@ class DataConfig:
     path: Any = "data/shakespeare-8k"
     """Directory written by tools/prepare_data.py (train.bin, val.bin, meta.json), relative to the repo; or a
     list of such directories (prepared with one tokenizer) to train on a blend of them."""
-    weights: Optional[List[float]] = None
+    weights: list[float] | None = None
     """With a list of paths: each one's share of the training (and validation) samples, normalized; null = in
     proportion to their training samples."""
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     """Local HF tokenizer directory data.path was prepared with; null = the one its meta.json records. When set,
     it must be that one (checked). An HF export copies it beside the weights."""
 
@@ -197,7 +196,7 @@ class CheckpointConfig:
 class RunConfig:
     dir: str = "runs/default"
     """Where this run writes metrics.jsonl, wandb files and (by default) checkpoints."""
-    name: Optional[str] = None
+    name: str | None = None
     """Run name for wandb; defaults to the last part of run.dir."""
 
 
@@ -207,7 +206,7 @@ class WandbConfig:
     """auto (online with WANDB_API_KEY, else offline), offline, online or disabled."""
     project: str = "megatron_lite"
     """wandb project name."""
-    entity: Optional[str] = None
+    entity: str | None = None
     """wandb entity (team); None uses the default."""
 
 
@@ -241,11 +240,11 @@ class ClusterConfig:
     """a100-40gb, a100-80gb, h100-sxm, h200, b200, or auto (this machine's GPU if the table knows it, else h100-sxm)."""
     gpus_per_node: int = 8
     """GPUs per node; tensor parallelism stays within a node."""
-    nodes: Optional[int] = None
+    nodes: int | None = None
     """Nodes; None: as many as WORLD_SIZE needs for --check, 1 for --plan."""
-    intra_node_GBps: Optional[float] = None
+    intra_node_GBps: float | None = None
     """Bus bandwidth between GPUs of a node, GB/s per direction; None: the GPU's NVLink."""
-    inter_node_GBps: Optional[float] = None
+    inter_node_GBps: float | None = None
     """A node's network bandwidth, all NICs together, GB/s; None: one NIC per GPU, each as fast as one of the GPU's
     DGX/HGX node (8 NICs: 50 GB/s for H100), times gpus_per_node."""
     achievable: float = 0.65

@@ -32,25 +32,44 @@ class Layout:
     micro_batch_size: int = 0
 
     @classmethod
-    def of_run(cls, cfg, world_size: int, precision: str | None = None) -> "Layout":
+    def of_run(cls, cfg, world_size: int, precision: str | None = None) -> Layout:
         """This job's layout: cfg's parallel/zero/train keys on world_size ranks (precision as resolved)."""
         p, t = cfg.parallel, cfg.train
-        return cls(world_size=world_size, dp=world_size // (p.tp * p.cp * p.pp), tp=p.tp, cp=p.cp, cp_mode=p.cp_mode,
-                   pp=p.pp, vpp=p.vpp, zero_stage=cfg.zero.stage, precision=precision,
-                   layers_per_stage=tuple(layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)),
-                   v_shape=v_shaped(resolve_schedule(p.schedule, p.vpp)), global_batch_size=t.global_batch_size,
-                   micro_batch_size=t.micro_batch_size)
+        return cls(
+            world_size=world_size,
+            dp=world_size // (p.tp * p.cp * p.pp),
+            tp=p.tp,
+            cp=p.cp,
+            cp_mode=p.cp_mode,
+            pp=p.pp,
+            vpp=p.vpp,
+            zero_stage=cfg.zero.stage,
+            precision=precision,
+            layers_per_stage=tuple(layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)),
+            v_shape=v_shaped(resolve_schedule(p.schedule, p.vpp)),
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+        )
 
     @classmethod
-    def of_checkpoint(cls, meta: dict) -> "Layout":
+    def of_checkpoint(cls, meta: dict) -> Layout:
         """The layout a checkpoint was written with, from its meta.json (its `layout`, and its config's batch)."""
         saved, train = meta["layout"], meta.get("config", {}).get("train", {})
-        return cls(world_size=saved["world_size"], dp=saved["dp"], tp=saved.get("tp", 1), cp=saved.get("cp", 1),
-                   cp_mode=saved.get("cp_mode", "ring"), pp=saved.get("pp", 1), vpp=saved.get("vpp", 1),
-                   zero_stage=saved["zero_stage"], precision=saved.get("precision"),
-                   layers_per_stage=tuple(saved.get("layers_per_stage") or ()), v_shape=saved.get("v_shape", False),
-                   global_batch_size=train.get("global_batch_size", 0),
-                   micro_batch_size=train.get("micro_batch_size", 0))
+        return cls(
+            world_size=saved["world_size"],
+            dp=saved["dp"],
+            tp=saved.get("tp", 1),
+            cp=saved.get("cp", 1),
+            cp_mode=saved.get("cp_mode", "ring"),
+            pp=saved.get("pp", 1),
+            vpp=saved.get("vpp", 1),
+            zero_stage=saved["zero_stage"],
+            precision=saved.get("precision"),
+            layers_per_stage=tuple(saved.get("layers_per_stage") or ()),
+            v_shape=saved.get("v_shape", False),
+            global_batch_size=train.get("global_batch_size", 0),
+            micro_batch_size=train.get("micro_batch_size", 0),
+        )
 
     def to_meta(self) -> dict:
         """meta.json's `layout` (the batch lives in its `config`)."""
@@ -73,10 +92,17 @@ class Layout:
         """(pp, vpp, layers per virtual stage); () for the layers when nothing is split into stages."""
         return self.pp, self.vpp, self.layers_per_stage if self.pp * self.vpp > 1 else ()
 
-    def same_as(self, saved: "Layout") -> bool:
+    def same_as(self, saved: Layout) -> bool:
         """Whether `saved` has this whole layout: world, dp, tp, cp, pipeline (and its V) and ZeRO stage."""
-        return (saved.world_size, saved.dp, saved.tp, saved.cp, saved.zero_stage, saved.pipeline, saved.v_shape) == \
-            (self.world_size, self.dp, self.tp, self.cp, self.zero_stage, self.pipeline, self.v_shape)
+        return (saved.world_size, saved.dp, saved.tp, saved.cp, saved.zero_stage, saved.pipeline, saved.v_shape) == (
+            self.world_size,
+            self.dp,
+            self.tp,
+            self.cp,
+            self.zero_stage,
+            self.pipeline,
+            self.v_shape,
+        )
 
     @property
     def bf16_states(self) -> bool | None:
@@ -86,7 +112,7 @@ class Layout:
 
         return None if self.precision is None else holds_bf16(self.precision, self.zero_stage)
 
-    def needs_conversion(self, saved: "Layout") -> bool:
+    def needs_conversion(self, saved: Layout) -> bool:
         """Whether a ZeRO checkpoint written at `saved` loads here only through the universal format: another
         number of ZeRO partitions, TP size, stage or pipeline layout (a V holds other stages on each rank than
         loops do), or states held in the other of DeepSpeed's formats (bf16 parameters beside fp32 masters, or
@@ -95,5 +121,10 @@ class Layout:
         if saved.zero_stage == self.zero_stage == 0:
             return (saved.pipeline, saved.v_shape, saved.tp) != (self.pipeline, self.v_shape, self.tp)
         formats = None not in (saved.bf16_states, self.bf16_states) and saved.bf16_states != self.bf16_states
-        return formats or (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != \
-            (self.pipeline, self.v_shape, self.zero_partitions, self.tp, self.zero_stage)
+        return formats or (saved.pipeline, saved.v_shape, saved.zero_partitions, saved.tp, saved.zero_stage) != (
+            self.pipeline,
+            self.v_shape,
+            self.zero_partitions,
+            self.tp,
+            self.zero_stage,
+        )

@@ -22,8 +22,13 @@ def lr_at(step: int, cfg: Config) -> float:
     return o.min_lr + (o.lr - o.min_lr) * factor
 
 
-SCHEDULE_KEYS = (("train", "steps"), ("optim", "lr"), ("optim", "min_lr"), ("optim", "warmup_steps"),
-                 ("optim", "decay"))
+SCHEDULE_KEYS = (
+    ("train", "steps"),
+    ("optim", "lr"),
+    ("optim", "min_lr"),
+    ("optim", "warmup_steps"),
+    ("optim", "decay"),
+)
 
 
 def schedule_change(saved_config: dict, cfg: Config, step: int) -> str | None:
@@ -39,6 +44,8 @@ def schedule_change(saved_config: dict, cfg: Config, step: int) -> str | None:
     lr_saved, lr_now = lr_at(step, before), lr_at(step, cfg)
     if not changed or math.isclose(lr_saved, lr_now, rel_tol=1e-9):
         return None
-    return (f"this resume changes the learning-rate schedule ({'; '.join(changed)}): step {step + 1} trains at lr "
-            f"{lr_now:.2e}, where the saved run's schedule gives {lr_saved:.2e} (step {step} had "
-            f"{lr_at(step - 1, before):.2e})")
+    return (
+        f"this resume changes the learning-rate schedule ({'; '.join(changed)}): step {step + 1} trains at lr "
+        f"{lr_now:.2e}, where the saved run's schedule gives {lr_saved:.2e} (step {step} had "
+        f"{lr_at(step - 1, before):.2e})"
+    )

@@ -50,10 +50,12 @@ def git_commit() -> str:
     if os.environ.get("MEGATRON_LITE_COMMIT"):
         return os.environ["MEGATRON_LITE_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except Exception:  # noqa: BLE001 - outside a git checkout
         return "unknown"
+
 
 # Dense (no 2:4 sparsity) peak FLOP/s per device, from NVIDIA's datasheets: "NVIDIA H100 Tensor Core GPU"
 # (SXM / PCIe / NVL columns), "NVIDIA H200 Tensor Core GPU" (SXM / NVL), "NVIDIA A100 Tensor Core GPU".
@@ -102,8 +104,9 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -
     return float(3 * forward_flops_per_token(cfg, seq_len, causal))
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, every: int = 1,
-                              fused_core: bool = True, causal: bool = True) -> int:
+def recompute_flops_per_token(
+    cfg: ModelConfig, seq_len: int, recompute: str, every: int = 1, fused_core: bool = True, causal: bool = True
+) -> int:
     """Forward FLOPs per token that activation recomputation reruns during backward.
 
     torch stops a recomputation once every tensor backward needs is rebuilt (checkpoint early stop), so the
@@ -122,8 +125,9 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, ev
     return 0
 
 
-def step_flops(cfg: ModelConfig, tokens: int, recompute: str = "none", recompute_every: int = 1,
-               fused_core: bool = True) -> tuple[float, float]:
+def step_flops(
+    cfg: ModelConfig, tokens: int, recompute: str = "none", recompute_every: int = 1, fused_core: bool = True
+) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of sequences cfg.seq_len long.
 
     hardware = model + what recomputation reruns (recompute_flops_per_token). MFU = model / (time x devices
@@ -146,7 +150,7 @@ def _cuda_tf32_allowed() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int, budget_s: float) -> float:
     """Best FLOP/s of up to `repeats` n x n x n matmuls (2 n^3 FLOPs each) after one warm-up, within `budget_s`.
     A warm-up that alone spends the budget is the one timing (bf16 on a CPU without bf16 units: 2.5-4 s a 1024^3
@@ -221,8 +225,12 @@ def _plain(value):
 
 def _status_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step:>{len(str(total))}}/{total}" if total else f"step {step}"]
-    for key, fmt in (("loss", "loss {:.4f}"), ("lr", "lr {:.2e}"),
-                     ("grad_norm", "grad {:.3f}"), ("tokens_per_s", "{:,.0f} tok/s")):
+    for key, fmt in (
+        ("loss", "loss {:.4f}"),
+        ("lr", "lr {:.2e}"),
+        ("grad_norm", "grad {:.3f}"),
+        ("tokens_per_s", "{:,.0f} tok/s"),
+    ):
         if isinstance(m.get(key), (int, float)):
             parts.append(fmt.format(m[key]))
     if isinstance(m.get("mfu"), (int, float)):
@@ -293,10 +301,20 @@ class MetricsLogger:
     every `log_interval` steps and on the last step.
     """
 
-    def __init__(self, run_dir: str, config_dict: dict, enabled: bool, wandb_mode: str = "auto",
-                 wandb_project: str = "megatron_lite", wandb_entity: str | None = None,
-                 run_name: str | None = None, wandb_id: str | None = None, total_steps: int = 0,
-                 log_interval: int = 1, start_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        config_dict: dict,
+        enabled: bool,
+        wandb_mode: str = "auto",
+        wandb_project: str = "megatron_lite",
+        wandb_entity: str | None = None,
+        run_name: str | None = None,
+        wandb_id: str | None = None,
+        total_steps: int = 0,
+        log_interval: int = 1,
+        start_step: int | None = None,
+    ):
         """start_step: the step this run starts after (0 fresh, else the checkpoint's): metrics.jsonl's records
         of later steps, logged by a run that went on past its last checkpoint, are dropped, since they run again
         (None keeps every record)."""
@@ -309,8 +327,10 @@ class MetricsLogger:
         dropped, last = _drop_records_after(path, start_step) if start_step is not None else (0, 0)
         self._jsonl = open(path, "a")
         if dropped:  # routine after a crash past the last checkpoint; worth a look when it is a whole other run
-            self.print(f"metrics.jsonl: {dropped} record(s) of steps after {start_step} (up to {last}), which this run "
-                       f"starts before, moved to {DROPPED}")
+            self.print(
+                f"metrics.jsonl: {dropped} record(s) of steps after {start_step} (up to {last}), which this run "
+                f"starts before, moved to {DROPPED}"
+            )
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
             import wandb
@@ -319,16 +339,28 @@ class MetricsLogger:
             self._id = wandb_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
             # The run's .wandb file is written every second rather than wandb's 15 s: a crash loses what was not
             # written, and steps before the checkpoint a restart resumes are not logged again (see _fill_gap).
-            self._wandb = wandb.init(dir=run_dir, id=self._id, resume="allow", mode=mode, project=wandb_project,
-                                     entity=wandb_entity, name=run_name, config=config_dict,
-                                     settings=wandb.Settings(x_transaction_log_flush_interval=1.0))
+            self._wandb = wandb.init(
+                dir=run_dir,
+                id=self._id,
+                resume="allow",
+                mode=mode,
+                project=wandb_project,
+                entity=wandb_entity,
+                name=run_name,
+                config=config_dict,
+                settings=wandb.Settings(x_transaction_log_flush_interval=1.0),
+            )
             if start_step:
                 self._fill_gap(path, start_step)
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
-                                      TextColumn("{task.fields[status]}"))
+            self._progress = Progress(
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+            )
             self._task = self._progress.add_task("train", total=total_steps or None, status="starting")
             self._progress.start()
 

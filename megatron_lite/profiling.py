@@ -65,5 +65,8 @@ class StepProfiler:
                 f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
                 f.write("\n")
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-        print(f"profile of steps {self.steps[0]}-{self.steps[-1]} on rank {self.rank}: {base}.json.gz (trace), "
-                 f"{base}.txt (ops)", flush=True)
+        print(
+            f"profile of steps {self.steps[0]}-{self.steps[-1]} on rank {self.rank}: {base}.json.gz (trace), "
+            f"{base}.txt (ops)",
+            flush=True,
+        )

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import store as checkpoint_store
@@ -37,9 +36,9 @@ from megatron_lite.engine.build_locks import clear_stale_build_locks
 from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
 from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, restore_functional_linear
 from megatron_lite.errors import RunError
-from megatron_lite.faults import stalls
-from megatron_lite.faults import stop
+from megatron_lite.faults import stalls, stop
 from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
+from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
 from megatron_lite.memory import PeakMemory
@@ -49,7 +48,6 @@ from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.profiling import StepProfiler
 from megatron_lite.validation import notes
-
 
 DISK_FULL_BYTES = 64 << 20  # below this much free space a failed checkpoint write is put down to a full disk
 
@@ -76,10 +74,12 @@ def _said_if_unwritable(root: str, step: int):
         else:
             raise
         latest = checkpoint_store.latest_checkpoint(root)
-        raise RunError(f"checkpoint of step {step} could not be written: checkpoint.dir={root} {why} "
-                       f"({type(cause).__name__}: {' '.join(str(cause).split())[:120]}); "
-                       + (f"the last committed checkpoint, {latest}, is intact" if latest else "none was committed yet")
-                       + f": {fix} and resume") from err
+        raise RunError(
+            f"checkpoint of step {step} could not be written: checkpoint.dir={root} {why} "
+            f"({type(cause).__name__}: {' '.join(str(cause).split())[:120]}); "
+            + (f"the last committed checkpoint, {latest}, is intact" if latest else "none was committed yet")
+            + f": {fix} and resume"
+        ) from err
 
 
 def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
@@ -193,8 +193,11 @@ def _interrupted_start_up(err: Exception) -> dict:
     error is a crash whatever signal came with it (the restart resumes from the last checkpoint)."""
     if os.environ.get("RANK", "0") == "0":
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        print(f"stop signal during start-up: exiting before the first step (start-up was cut short: {reason}), "
-              "nothing saved", flush=True)
+        print(
+            f"stop signal during start-up: exiting before the first step (start-up was cut short: {reason}), "
+            "nothing saved",
+            flush=True,
+        )
     return {"losses": [], "grad_norms": [], "last_step": None, "stopped": True}
 
 
@@ -240,30 +243,53 @@ class Trainer:
         wandb_id = _continued_wandb_id(meta, cfg.run.dir)
         self._data(consumed)
         self.logger = MetricsLogger(
-            cfg.run.dir, config_dict=asdict(cfg), enabled=ctx.is_rank0, wandb_mode=cfg.logging.wandb.mode,
-            wandb_project=cfg.logging.wandb.project, wandb_entity=cfg.logging.wandb.entity,
-            run_name=cfg.run.name or os.path.basename(os.path.normpath(cfg.run.dir)), wandb_id=wandb_id,
-            total_steps=cfg.train.steps, log_interval=cfg.train.log_interval, start_step=self.start_step,
+            cfg.run.dir,
+            config_dict=asdict(cfg),
+            enabled=ctx.is_rank0,
+            wandb_mode=cfg.logging.wandb.mode,
+            wandb_project=cfg.logging.wandb.project,
+            wandb_entity=cfg.logging.wandb.entity,
+            run_name=cfg.run.name or os.path.basename(os.path.normpath(cfg.run.dir)),
+            wandb_id=wandb_id,
+            total_steps=cfg.train.steps,
+            log_interval=cfg.train.log_interval,
+            start_step=self.start_step,
         )
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.peak, peak_source = peak_flops(ctx.device, dtype)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.model_flops, self.hw_flops = step_flops(
-            cfg.model, self.tokens_per_step, cfg.train.recompute, cfg.train.recompute_every,
-            fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0)
+            cfg.model,
+            self.tokens_per_step,
+            cfg.train.recompute,
+            cfg.train.recompute_every,
+            fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0,
+        )
         # Each torchrun agent counts its own restarts: with several nodes, one restarted for a membership change
         # (not counted) and one whose worker failed differ, and rank 0's alone said 0 after a real restart.
         self.restarts = _max_over_ranks(restart_count(), ctx)
         self._announce(resume_path, meta, dtype, peak_source)
         if ctx.is_rank0:  # (the only logger that writes; the commit takes a git call)
-            self.logger.describe({
-                "world_size": ctx.world_size, "dp": ctx.dp_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
-                "cp": ctx.cp_size, "accumulation": self.engine.accum, "precision": self.precision,
-                "peak_flops_per_device": self.peak, "peak_source": peak_source, "device": _device_name(ctx.device),
-                "commit": git_commit(), "kernels": describe(resolve_backend(cfg.kernels.backend, ctx.device))})
+            self.logger.describe(
+                {
+                    "world_size": ctx.world_size,
+                    "dp": ctx.dp_size,
+                    "tp": ctx.tp_size,
+                    "pp": ctx.pp_size,
+                    "cp": ctx.cp_size,
+                    "accumulation": self.engine.accum,
+                    "precision": self.precision,
+                    "peak_flops_per_device": self.peak,
+                    "peak_source": peak_source,
+                    "device": _device_name(ctx.device),
+                    "commit": git_commit(),
+                    "kernels": describe(resolve_backend(cfg.kernels.backend, ctx.device)),
+                }
+            )
         if cfg.checkpoint.async_save:
-            self.writer = AsyncWriter(ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print,
-                                      checkpoint_group(cfg.dist.timeout_s))
+            self.writer = AsyncWriter(
+                ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print, checkpoint_group(cfg.dist.timeout_s)
+            )
 
     def _build_engine(self, resume_path: str | None, meta: dict | None) -> Engine:
         """This rank's share of the model (from a weights-only checkpoint when resuming one), in its engine."""
@@ -271,8 +297,10 @@ class Trainer:
         weights = None
         if meta is not None and meta["kind"] == "weights":  # (written at tp 1: its vocabulary padding is tp 1's)
             rows = padded_vocab_size(cfg.model, ctx.tp_size)
-            weights = {name: with_vocab_rows(name, tensor, rows)
-                       for name, tensor in checkpoint_weights.load_model_state(resume_path, verify=False)[1].items()}
+            weights = {
+                name: with_vocab_rows(name, tensor, rows)
+                for name, tensor in checkpoint_weights.load_model_state(resume_path, verify=False)[1].items()
+            }
         partition, build_dtype = None, torch.float32
         if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
             if cfg.zero.offload_param == "nvme":
@@ -296,60 +324,96 @@ class Trainer:
 
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx
-        self.data = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed,
-                                 validation=cfg.train.eval_interval > 0, each=cfg.train.eval_per_dataset)
-        self.batches = MicroBatches(self.data.train, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                    ctx.dp_rank, ctx.dp_size, consumed)
+        self.data = open_streams(
+            cfg.data.path,
+            cfg.data.weights,
+            cfg.model.seq_len,
+            cfg.seed,
+            validation=cfg.train.eval_interval > 0,
+            each=cfg.train.eval_per_dataset,
+        )
+        self.batches = MicroBatches(
+            self.data.train, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size, consumed
+        )
 
     def _announce(self, resume_path: str | None, meta: dict | None, dtype: torch.dtype, peak_source: str) -> None:
         """What this run is: the resume (and any change to the data stream), the restart, the layout."""
         cfg, ctx, say, p = self.cfg, self.ctx, self.logger.print, self.cfg.parallel
         if self.start_step:
-            say(f"resumed from {resume_path} at step {self.start_step} ({self.batches.consumed_samples} samples "
-                "consumed)")
-            changes = (checkpoint_resume.data_stream_changes(meta.get("config", {}), cfg)
-                       if meta["kind"] == "deepspeed" else [])
+            say(
+                f"resumed from {resume_path} at step {self.start_step} ({self.batches.consumed_samples} samples "
+                "consumed)"
+            )
+            changes = (
+                checkpoint_resume.data_stream_changes(meta.get("config", {}), cfg)
+                if meta["kind"] == "deepspeed"
+                else []
+            )
             if changes:
-                say("warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
-                    f"{self.start_step + 1} see other samples than the run that wrote the checkpoint would have")
-            lr_change = schedule_change(meta.get("config", {}), cfg, self.start_step) if meta["kind"] == "deepspeed" \
-                else None
+                say(
+                    "warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
+                    f"{self.start_step + 1} see other samples than the run that wrote the checkpoint would have"
+                )
+            lr_change = (
+                schedule_change(meta.get("config", {}), cfg, self.start_step) if meta["kind"] == "deepspeed" else None
+            )
             if lr_change:
                 say(f"warning: {lr_change}")
         elif meta is not None and meta["kind"] == "weights":  # an import (step 0): its weights, all else afresh
-            say(f"starting from the weights of {resume_path} (weights only: a new optimizer, schedule and data "
-                "stream from step 1)")
+            say(
+                f"starting from the weights of {resume_path} (weights only: a new optimizer, schedule and data "
+                "stream from step 1)"
+            )
         for note in notes(cfg):
             say(f"warning: {note}")
         if self.start_step >= cfg.train.steps:
-            say(f"nothing to do: the checkpoint resumed ({resume_path}) is at step {self.start_step} of train.steps="
-                f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never")
-        pipeline = (f", vpp {p.vpp}, {self.engine.executor.schedule_name} schedule, layers per virtual stage "
-                    f"{list(self.layout.layers_per_stage)}" if ctx.pp_size > 1 else "")
+            say(
+                f"nothing to do: the checkpoint resumed ({resume_path}) is at step {self.start_step} of train.steps="
+                f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never"
+            )
+        pipeline = (
+            f", vpp {p.vpp}, {self.engine.executor.schedule_name} schedule, layers per virtual stage "
+            f"{list(self.layout.layers_per_stage)}"
+            if ctx.pp_size > 1
+            else ""
+        )
         context = f", cp {ctx.cp_size} ({p.cp_mode})" if ctx.cp_size > 1 else ""
         if self.restarts:
-            say(f"restart {self.restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
-                f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})")
-        say(f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
+            say(
+                f"restart {self.restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
+                f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})"
+            )
+        say(
+            f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
             f"{ctx.pp_size}{pipeline}), zero {cfg.zero.stage}, {dtype}, accumulation {self.engine.accum}, kernels "
             f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {self.peak / 1e12:.2f} TFLOP/s per "
-            f"device ({peak_source})")
+            f"device ({peak_source})"
+        )
         paths = data_paths(cfg.data.path)
         shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
         if self.data.val_samples is not None:  # the validation set wraps around a split smaller than it
             needed = cfg.train.eval_iters * cfg.train.global_batch_size
-            short = [f"{path} holds {n} for its {share * needed:.0f}" for path, n, share
-                     in zip(paths, self.data.val_samples, shares) if n < share * needed]
+            short = [
+                f"{path} holds {n} for its {share * needed:.0f}"
+                for path, n, share in zip(paths, self.data.val_samples, shares)
+                if n < share * needed
+            ]
             if short:
-                say(f"warning: an evaluation reads train.eval_iters x train.global_batch_size = {needed} validation "
+                say(
+                    f"warning: an evaluation reads train.eval_iters x train.global_batch_size = {needed} validation "
                     f"samples, more than the validation split has ({'; '.join(short)}): some count more than "
-                    "once; prepare the data with a larger --val-fraction, or lower train.eval_iters")
+                    "once; prepare the data with a larger --val-fraction, or lower train.eval_iters"
+                )
         if len(paths) > 1:  # each dataset's share and how often the run will have read it
             samples = cfg.train.steps * cfg.train.global_batch_size
-            say(f"data: a blend of {len(paths)}: " + "; ".join(
-                f"{path} {share:.1%} of the samples ({n:,} of its own: {share * samples / n:.2f} epochs by step "
-                f"{cfg.train.steps})"
-                for path, share, n in zip(paths, shares, self.data.samples)))
+            say(
+                f"data: a blend of {len(paths)}: "
+                + "; ".join(
+                    f"{path} {share:.1%} of the samples ({n:,} of its own: {share * samples / n:.2f} epochs by step "
+                    f"{cfg.train.steps})"
+                    for path, share, n in zip(paths, shares, self.data.samples)
+                )
+            )
 
     # --- the loop ---
 
@@ -377,8 +441,11 @@ class Trainer:
             if self.writer is not None:  # an asynchronous save's write time, on the step it is known
                 last = stopped or fatal or step == cfg.train.steps
                 with _said_if_unwritable(cfg.checkpoint.dir, self.writer.step):  # the save in flight's step
-                    written = self._written(self.writer.wait(reason="stop signal" if stopped else "end of the run")
-                                            if last else self.writer.finished())
+                    written = self._written(
+                        self.writer.wait(reason="stop signal" if stopped else "end of the run")
+                        if last
+                        else self.writer.finished()
+                    )
                 if written and "ckpt_write_s" in record:  # this step's save waited for the one before: both known
                     record["ckpt_final_write_s"] = written["ckpt_write_s"]
                 else:
@@ -388,15 +455,18 @@ class Trainer:
             losses.append(outcome.loss)
             grad_norms.append(outcome.grad_norm)
             if outcome.skipped:
-                self.logger.print(f"step {step}: loss {outcome.loss}, grad norm {outcome.grad_norm}: not finite, update "
-                                  f"skipped on every rank ({in_row} in a row, {self.skipped_total} in all)")
+                self.logger.print(
+                    f"step {step}: loss {outcome.loss}, grad norm {outcome.grad_norm}: not finite, update "
+                    f"skipped on every rank ({in_row} in a row, {self.skipped_total} in all)"
+                )
                 if fatal:
                     raise NonFiniteError(
                         f"train.max_skipped_in_row={cfg.train.max_skipped_in_row}: "
                         + (f"steps {step - in_row + 1}-{step} all" if in_row > 1 else f"step {step}")
                         + " had a non-finite loss or gradient norm; stopped without saving (the weights are those "
                         f"before step {step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or "
-                        "other data")
+                        "other data"
+                    )
             if stopped:
                 self.logger.print(f"stop signal: saved at step {step}; resume with checkpoint.resume=auto")
                 break
@@ -415,11 +485,17 @@ class Trainer:
         dt = time.perf_counter() - t0
         bubble = _pipeline_bubble(self.engine.last_stats, ctx)
         record = {
-            "step": step, "loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
-            "tokens": self.batches.consumed_samples * cfg.model.seq_len, "tokens_per_s": self.tokens_per_step / dt,
-            "step_time_s": dt, "mfu": self.model_flops / dt / (ctx.world_size * self.peak),
+            "step": step,
+            "loss": outcome.loss,
+            "lr": lr,
+            "grad_norm": outcome.grad_norm,
+            "tokens": self.batches.consumed_samples * cfg.model.seq_len,
+            "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt,
+            "mfu": self.model_flops / dt / (ctx.world_size * self.peak),
             "hfu": self.hw_flops / dt / (ctx.world_size * self.peak),
-            "skipped_steps": None, "restarts": self.restarts,  # skipped_steps: counted by train()
+            "skipped_steps": None,
+            "restarts": self.restarts,  # skipped_steps: counted by train()
         }
         if bubble is not None:
             record["bubble"] = bubble
@@ -448,8 +524,10 @@ class Trainer:
         background. Returns the time the loop was blocked (and, when known, the write time)."""
         cfg, ctx = self.cfg, self.ctx
         meta_out = {
-            "config": asdict(cfg), "consumed_samples": self.batches.consumed_samples,
-            "wandb_id": self.logger.wandb_id, "layout": self.layout.to_meta(),
+            "config": asdict(cfg),
+            "consumed_samples": self.batches.consumed_samples,
+            "wandb_id": self.logger.wandb_id,
+            "layout": self.layout.to_meta(),
             "skipped_steps": self.skipped_total,
         }
         set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
@@ -462,12 +540,16 @@ class Trainer:
             if self.writer is None:
                 path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
             else:
-                path = checkpoint.save_async(self.engine, ctx, cfg.checkpoint.dir, step, meta_out,
-                                             cfg.checkpoint.keep, self.writer)
+                path = checkpoint.save_async(
+                    self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, self.writer
+                )
         blocked = time.perf_counter() - t0
         set_collective_timeout(cfg.dist.step_timeout_s)
-        self.logger.print(f"saved {path} (the loop waited {blocked:.2f} s)" if self.writer is None else
-                          f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)")
+        self.logger.print(
+            f"saved {path} (the loop waited {blocked:.2f} s)"
+            if self.writer is None
+            else f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)"
+        )
         return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if self.writer is None else out)}
 
     def _written(self, written: float | None) -> dict:
@@ -475,9 +557,11 @@ class Trainer:
         that one had to wait for it; on the last step, the last save's)."""
         if written is None:
             return {}
-        self.logger.print(f"checkpoint of step {self.writer.step} written" + (" and committed" if self.ctx.is_rank0
-                                                                              else "")
-                          + f" in {written:.2f} s in the background")
+        self.logger.print(
+            f"checkpoint of step {self.writer.step} written"
+            + (" and committed" if self.ctx.is_rank0 else "")
+            + f" in {written:.2f} s in the background"
+        )
         return {"ckpt_write_s": written}
 
     # --- close ---
@@ -486,8 +570,11 @@ class Trainer:
         """Close the logger (wandb marks a failed run so) and the engine, whatever setup reached, and leave the
         process's torch as the run found it. After a failure an error while closing is only reported: it must not
         hide the error that ended the run."""
-        for part, close in ((self.profiler, lambda: self.profiler.close()), (self.logger, lambda: self.logger.close(failed)),
-                            (self.engine, lambda: self.engine.close())):
+        for part, close in (
+            (self.profiler, lambda: self.profiler.close()),
+            (self.logger, lambda: self.logger.close(failed)),
+            (self.engine, lambda: self.engine.close()),
+        ):
             if part is None:
                 continue
             try:

@@ -27,9 +27,15 @@ OFFLINE_INSTALL = os.path.join(tempfile.gettempdir(), f"megatron_lite_offline_in
 
 def _background_jobs(root: str) -> dict[str, list[str]]:
     """fixture -> the command of the background job it waits for."""
-    return {"async_io_op": [sys.executable, os.path.join(root, "tools", "build_ops.py"), "--idle", "AsyncIOBuilder"],
-            "offline_install": [sys.executable, os.path.join(root, "tests", "install", "offline_install.py"), "--idle",
-                                OFFLINE_INSTALL]}
+    return {
+        "async_io_op": [sys.executable, os.path.join(root, "tools", "build_ops.py"), "--idle", "AsyncIOBuilder"],
+        "offline_install": [
+            sys.executable,
+            os.path.join(root, "tests", "install", "offline_install.py"),
+            "--idle",
+            OFFLINE_INSTALL,
+        ],
+    }
 
 
 _background: dict[str, tuple[subprocess.Popen, IO[bytes]]] = {}

@@ -64,8 +64,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.tp}", __file__,
-               *(argv or sys.argv[1:])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={args.tp}",
+            __file__,
+            *(argv or sys.argv[1:]),
+        ]
         sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
 
     from megatron_lite.config import ModelConfig
@@ -89,22 +95,43 @@ def main(argv=None) -> None:
                 saved.append(saved_bytes(model, tokens))
             measured = saved[1] - saved[0]
             paper = s * b * h * paper_factor(sp, recompute, t, 5 * a * s / (h * t))
-            rows.append({"case": f"tp={t} sp={sp} recompute={recompute}", "measured_bytes": measured,
-                         "paper_bytes": paper, "ratio": round(measured / paper, 3)})
+            rows.append(
+                {
+                    "case": f"tp={t} sp={sp} recompute={recompute}",
+                    "measured_bytes": measured,
+                    "paper_bytes": paper,
+                    "ratio": round(measured / paper, 3),
+                }
+            )
     if rank == 0:
         print(f"b={b} s={s} h={h} a={a} t={t}, dropout 0.1, per layer, fp16 terms")
         for r in rows:
-            print(f"{r['case']:<36} measured {r['measured_bytes'] / 2**20:7.3f} MiB   paper "
-                  f"{r['paper_bytes'] / 2**20:7.3f} MiB   ratio {r['ratio']:.3f}")
+            print(
+                f"{r['case']:<36} measured {r['measured_bytes'] / 2**20:7.3f} MiB   paper "
+                f"{r['paper_bytes'] / 2**20:7.3f} MiB   ratio {r['ratio']:.3f}"
+            )
         if args.out:
             from tools.commit import git_commit
 
             with open(args.out, "w") as f:
-                json.dump({"bench": "activation_memory", "b": b, "s": s, "h": h, "a": a, "dropout": 0.1, "rows": rows,
-                           "attention": "torch SDPA; with dropout on CPU it takes the math path, which saves the "
-                                        "s^2 scores, probabilities and mask (the paper's 5as/(ht) term)",
-                           "device": "CPU (gloo)", "date": datetime.date.today().isoformat(),
-                           "commit": git_commit()}, f, indent=1)
+                json.dump(
+                    {
+                        "bench": "activation_memory",
+                        "b": b,
+                        "s": s,
+                        "h": h,
+                        "a": a,
+                        "dropout": 0.1,
+                        "rows": rows,
+                        "attention": "torch SDPA; with dropout on CPU it takes the math path, which saves the "
+                        "s^2 scores, probabilities and mask (the paper's 5as/(ht) term)",
+                        "device": "CPU (gloo)",
+                        "date": datetime.date.today().isoformat(),
+                        "commit": git_commit(),
+                    },
+                    f,
+                    indent=1,
+                )
     dist.barrier()
     dist.destroy_process_group()
 

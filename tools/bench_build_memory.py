@@ -98,10 +98,16 @@ def build(route: str, cfg, ctx):
     ds_config = deepspeed_config(cfg, ctx.dp_size)
     if route == "zero3-old":  # what DeepSpeed's ZeRO-3 setup does with the model it is handed
         model = old_route(cfg, ctx)
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                                   dist_init_required=False)
-        deepspeed.zero.Init(module=model, data_parallel_group=ctx.dp_group, config_dict_or_path=ds_config,
-                            dtype=torch.float32, mpu=ctx.mpu())
+        deepspeed.init_distributed(
+            dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False
+        )
+        deepspeed.zero.Init(
+            module=model,
+            data_parallel_group=ctx.dp_group,
+            config_dict_or_path=ds_config,
+            dtype=torch.float32,
+            mpu=ctx.mpu(),
+        )
         return model
     partition, dtype = zero3_partitioner(ds_config, ctx)
     return build_model(cfg, ctx, dtype=dtype, partition=partition)
@@ -116,26 +122,47 @@ def rank_main(args) -> None:
     from megatron_lite.parallel.context import ParallelContext, init_distributed
 
     tp, pp, dp, route = CASES[args.case]
-    cfg = load([f"model={args.model}", f"parallel.tp={tp}", f"parallel.pp={pp}", "train.precision=fp32",
-                f"zero.stage={3 if route.startswith('zero3') else 0}", "checkpoint.resume=never",
-                "logging.wandb.mode=disabled", "train.micro_batch_size=1", f"train.global_batch_size={dp * pp}"])
+    cfg = load(
+        [
+            f"model={args.model}",
+            f"parallel.tp={tp}",
+            f"parallel.pp={pp}",
+            "train.precision=fp32",
+            f"zero.stage={3 if route.startswith('zero3') else 0}",
+            "checkpoint.resume=never",
+            "logging.wandb.mode=disabled",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={dp * pp}",
+        ]
+    )
     init_distributed()
     ctx = ParallelContext.build(tp, pp)
     together = route.startswith("zero3")
     # A small model first, by the same route: the libraries it loads and first-use allocations count in the
     # baseline, not in the build.
-    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=2, n_heads=4, n_kv_heads=None,
-                                                                d_model=64, ffn_hidden=None, vocab_size=512))
+    small = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(
+            cfg.model, n_layers=2, n_heads=4, n_kv_heads=None, d_model=64, ffn_hidden=None, vocab_size=512
+        ),
+    )
     row = {}
     for turn in range(1 if together else ctx.world_size):
         if together or turn == ctx.rank:
             build(route, small, ctx)
             before, start = rss_bytes(), time.perf_counter()
             model = build(route, cfg, ctx)
-            row = {"build_s": time.perf_counter() - start, "rank": ctx.rank, "tp_rank": ctx.tp_rank,
-                   "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank, "held_mib": held_bytes(model) / MIB,
-                   "rss_before_mib": before / MIB, "peak_rss_mib": peak_rss_bytes() / MIB,
-                   "build_peak_mib": (peak_rss_bytes() - before) / MIB}
+            row = {
+                "build_s": time.perf_counter() - start,
+                "rank": ctx.rank,
+                "tp_rank": ctx.tp_rank,
+                "pp_rank": ctx.pp_rank,
+                "dp_rank": ctx.dp_rank,
+                "held_mib": held_bytes(model) / MIB,
+                "rss_before_mib": before / MIB,
+                "peak_rss_mib": peak_rss_bytes() / MIB,
+                "build_peak_mib": (peak_rss_bytes() - before) / MIB,
+            }
             del model
         dist.barrier()
     rows = [None] * ctx.world_size
@@ -152,8 +179,20 @@ def run_case(case: str, model: str) -> list[dict]:
     tp, pp, dp, _ = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp * dp}",
-               f"--master-port={free_port()}", __file__, "--case", case, "--model", model, "--rank-out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={tp * pp * dp}",
+            f"--master-port={free_port()}",
+            __file__,
+            "--case",
+            case,
+            "--model",
+            model,
+            "--rank-out",
+            out,
+        ]
         env = torchrun_env(ROOT)
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
@@ -180,8 +219,11 @@ def machine() -> str:
 
 def report(results: dict[str, list[dict]]) -> str:
     whole = max(r["build_peak_mib"] for r in results["tp1 pp1, old route"])
-    lines = ["| case | ranks | held per rank (MiB) | build peak per rank (MiB) | max peak / tp1 pp1 old "
-             "| max peak / held | build time per rank (s) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | ranks | held per rank (MiB) | build peak per rank (MiB) | max peak / tp1 pp1 old "
+        "| max peak / held | build time per rank (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for case, rows in results.items():
         held = " / ".join(f"{r['held_mib']:.0f}" for r in rows)
         peaks = " / ".join(f"{r['build_peak_mib']:.0f}" for r in rows)
@@ -190,16 +232,20 @@ def report(results: dict[str, list[dict]]) -> str:
         over_held = max(r["build_peak_mib"] / r["held_mib"] for r in rows)
         lines.append(f"| {case} | {len(rows)} | {held} | {peaks} | {ratio:.2f} | {over_held:.2f} | {seconds} |")
     before = [r["rss_before_mib"] for rows in results.values() for r in rows]
-    lines += ["", "Build peak = ru_maxrss after the build - VmRSS before it; the RSS before the build (imports, "
-              f"process groups, a small model built the same way first) was {min(before):.0f}-{max(before):.0f} MiB "
-              "per rank. Per-rank values in global rank order, rank = (pp_rank * dp + dp_rank) * tp + tp_rank. "
-              "Held: the parameter bytes the rank keeps (its partition under ZeRO-3).", "",
-              "Routes: *old* = the trainer's construction before model/build.py (every rank allocates and "
-              "initialises the whole fp32 model, then keep_chunks and parallelize; under ZeRO-3, deepspeed.zero.Init "
-              "partitions the built model, as the engine does). *meta build* = model/build.py (meta device, cut, "
-              "shard, then one full tensor at a time, sliced). *partitioned as built* = the same with "
-              "build.zero3_partitioner (each parameter partitioned over DP as soon as it exists). TP/PP ranks build "
-              "in turn; ZeRO-3 ranks together."]
+    lines += [
+        "",
+        "Build peak = ru_maxrss after the build - VmRSS before it; the RSS before the build (imports, "
+        f"process groups, a small model built the same way first) was {min(before):.0f}-{max(before):.0f} MiB "
+        "per rank. Per-rank values in global rank order, rank = (pp_rank * dp + dp_rank) * tp + tp_rank. "
+        "Held: the parameter bytes the rank keeps (its partition under ZeRO-3).",
+        "",
+        "Routes: *old* = the trainer's construction before model/build.py (every rank allocates and "
+        "initialises the whole fp32 model, then keep_chunks and parallelize; under ZeRO-3, deepspeed.zero.Init "
+        "partitions the built model, as the engine does). *meta build* = model/build.py (meta device, cut, "
+        "shard, then one full tensor at a time, sliced). *partitioned as built* = the same with "
+        "build.zero3_partitioner (each parameter partitioned over DP as soon as it exists). TP/PP ranks build "
+        "in turn; ZeRO-3 ranks together.",
+    ]
     return "\n".join(lines)
 
 
@@ -218,16 +264,20 @@ def main(argv=None) -> None:
     results = {}
     for case in args.cases:
         results[case] = run_case(case, args.model)
-        print(f"{case}: build peak per rank "
-              + ", ".join(f"{r['build_peak_mib']:.0f}" for r in results[case]) + " MiB", flush=True)
+        print(
+            f"{case}: build peak per rank " + ", ".join(f"{r['build_peak_mib']:.0f}" for r in results[case]) + " MiB",
+            flush=True,
+        )
     table = report(results)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"# Peak host memory while building `{args.model}` (fp32), per rank\n\n"
-                    f"`python tools/bench_build_memory.py --model {args.model}`; {machine()}; gloo ranks on one "
-                    f"machine; torch {torch.__version__}; {datetime.date.today().isoformat()}; commit "
-                    f"{git_state()}.\n\n{table}\n")
+            f.write(
+                f"# Peak host memory while building `{args.model}` (fp32), per rank\n\n"
+                f"`python tools/bench_build_memory.py --model {args.model}`; {machine()}; gloo ranks on one "
+                f"machine; torch {torch.__version__}; {datetime.date.today().isoformat()}; commit "
+                f"{git_state()}.\n\n{table}\n"
+            )
 
 
 if __name__ == "__main__":

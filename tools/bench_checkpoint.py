@@ -71,8 +71,12 @@ def convert_and_reload(engine, path: str) -> tuple[float, float]:
 def _states(engine) -> list[torch.Tensor]:
     """Every parameter and its two AdamW moments, in the optimizer's order."""
     state = engine.optimizer.state
-    return [t for g in engine.optimizer.param_groups for p in g["params"]
-            for t in (p, state[p]["exp_avg"], state[p]["exp_avg_sq"])]
+    return [
+        t
+        for g in engine.optimizer.param_groups
+        for p in g["params"]
+        for t in (p, state[p]["exp_avg"], state[p]["exp_avg_sq"])
+    ]
 
 
 def main(argv=None) -> dict:
@@ -89,9 +93,17 @@ def main(argv=None) -> dict:
     from megatron_lite.errors import ConfigError
 
     try:
-        cfg = OmegaConf.to_object(compose_config([f"model={args.model}", "model.seq_len=128",
-                                                  "train.micro_batch_size=1", "train.global_batch_size=1",
-                                                  "logging.wandb.mode=disabled"]))
+        cfg = OmegaConf.to_object(
+            compose_config(
+                [
+                    f"model={args.model}",
+                    "model.seq_len=128",
+                    "train.micro_batch_size=1",
+                    "train.global_batch_size=1",
+                    "logging.wandb.mode=disabled",
+                ]
+            )
+        )
     except ConfigError as err:
         ap.error(str(err))
     init_distributed()
@@ -99,9 +111,21 @@ def main(argv=None) -> dict:
     engine = Engine(cfg, build_model(cfg, ctx), ctx)
     batch = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1), device=ctx.device)
     engine.train_step([batch], cfg.optim.lr, 1)  # the AdamW moments exist from here on
-    meta = {"config": asdict(cfg), "layout": {"world_size": 1, "dp": 1, "tp": 1, "cp": 1, "cp_mode": "ring", "pp": 1,
-                                              "vpp": 1, "zero_stage": cfg.zero.stage, "precision": "fp32",
-                                              "layers_per_stage": [cfg.model.n_layers]}}
+    meta = {
+        "config": asdict(cfg),
+        "layout": {
+            "world_size": 1,
+            "dp": 1,
+            "tp": 1,
+            "cp": 1,
+            "cp_mode": "ring",
+            "pp": 1,
+            "vpp": 1,
+            "zero_stage": cfg.zero.stage,
+            "precision": "fp32",
+            "layers_per_stage": [cfg.model.n_layers],
+        },
+    }
     root = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
     writer = AsyncWriter(ctx.rank, ctx.world_size, commit_timeout_s=3600, log=print)
     sync_s, block_s, write_s = [], [], []
@@ -113,8 +137,11 @@ def main(argv=None) -> dict:
         checkpoint.save_async(engine, ctx, root, 2 * i + 2, meta, 2, writer)
         block_s.append(time.perf_counter() - t0)
         write_s.append(writer.wait())
-        print(f"save {i + 1}: synchronous {sync_s[-1]:.2f} s; asynchronous: loop blocked {block_s[-1]:.2f} s, "
-              f"background write {write_s[-1]:.2f} s", flush=True)
+        print(
+            f"save {i + 1}: synchronous {sync_s[-1]:.2f} s; asynchronous: loop blocked {block_s[-1]:.2f} s, "
+            f"background write {write_s[-1]:.2f} s",
+            flush=True,
+        )
     last = os.path.join(root, step_name(2 * args.saves))
     size = state_bytes(last)
     t0 = time.perf_counter()
@@ -122,20 +149,32 @@ def main(argv=None) -> dict:
     load_s = time.perf_counter() - t0
     convert_s, universal_load_s = convert_and_reload(engine, last)
     record = {
-        "bench": "checkpoint", "model": args.model, "state_gib": round(size / 2**30, 3),
-        "sync_save_s": round(statistics.median(sync_s), 3), "async_block_s": round(statistics.median(block_s), 3),
-        "async_block_first_s": round(block_s[0], 3), "sync_s": [round(t, 3) for t in sync_s],
-        "async_block_each_s": [round(t, 3) for t in block_s], "async_write_each_s": [round(t, 3) for t in write_s],
-        "async_write_s": round(statistics.median(write_s), 3), "load_s": round(load_s, 3),
-        "universal_convert_s": round(convert_s, 3), "universal_load_s": round(universal_load_s, 3),
+        "bench": "checkpoint",
+        "model": args.model,
+        "state_gib": round(size / 2**30, 3),
+        "sync_save_s": round(statistics.median(sync_s), 3),
+        "async_block_s": round(statistics.median(block_s), 3),
+        "async_block_first_s": round(block_s[0], 3),
+        "sync_s": [round(t, 3) for t in sync_s],
+        "async_block_each_s": [round(t, 3) for t in block_s],
+        "async_write_each_s": [round(t, 3) for t in write_s],
+        "async_write_s": round(statistics.median(write_s), 3),
+        "load_s": round(load_s, 3),
+        "universal_convert_s": round(convert_s, 3),
+        "universal_load_s": round(universal_load_s, 3),
         "block_fraction": round(statistics.median(block_s) / statistics.median(sync_s), 4),
-        "device": str(ctx.device), "threads": torch.get_num_threads(), "filesystem": root,
-        "date": datetime.date.today().isoformat(), "commit": git_commit(),
+        "device": str(ctx.device),
+        "threads": torch.get_num_threads(),
+        "filesystem": root,
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
     }
-    print(f"{args.model}: {record['state_gib']:.2f} GiB per checkpoint; synchronous save {record['sync_save_s']:.2f} s, "
-          f"asynchronous blocks {record['async_block_s']:.2f} s ({100 * record['block_fraction']:.1f}% of it) and "
-          f"writes {record['async_write_s']:.2f} s in the background; load {record['load_s']:.2f} s; for another "
-          f"layout: conversion {record['universal_convert_s']:.2f} s, load {record['universal_load_s']:.2f} s")
+    print(
+        f"{args.model}: {record['state_gib']:.2f} GiB per checkpoint; synchronous save {record['sync_save_s']:.2f} s, "
+        f"asynchronous blocks {record['async_block_s']:.2f} s ({100 * record['block_fraction']:.1f}% of it) and "
+        f"writes {record['async_write_s']:.2f} s in the background; load {record['load_s']:.2f} s; for another "
+        f"layout: conversion {record['universal_convert_s']:.2f} s, load {record['universal_load_s']:.2f} s"
+    )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

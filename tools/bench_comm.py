@@ -35,12 +35,12 @@ sys.path.insert(0, ROOT)
 
 WRAPPED = {  # function -> (kind, position of the sized tensor, position of `group`, bus bytes per sized byte)
     "all_reduce": ("all_reduce", 0, 2, lambda n: 2 * (n - 1) / n),
-    "all_gather_into_tensor": ("all_gather", 0, 2, lambda n: (n - 1) / n),     # output = full tensor
+    "all_gather_into_tensor": ("all_gather", 0, 2, lambda n: (n - 1) / n),  # output = full tensor
     "_all_gather_base": ("all_gather", 0, 2, lambda n: (n - 1) / n),
     "reduce_scatter_tensor": ("reduce_scatter", 1, 3, lambda n: (n - 1) / n),  # input = full tensor
     "_reduce_scatter_base": ("reduce_scatter", 1, 3, lambda n: (n - 1) / n),
-    "all_gather": ("all_gather", 1, 2, lambda n: (n - 1)),                      # input = one rank's share
-    "reduce_scatter": ("reduce_scatter", 1, 3, lambda n: (n - 1) / n),         # input list = full tensor
+    "all_gather": ("all_gather", 1, 2, lambda n: n - 1),  # input = one rank's share
+    "reduce_scatter": ("reduce_scatter", 1, 3, lambda n: (n - 1) / n),  # input list = full tensor
     "broadcast": ("broadcast", 0, 2, lambda n: 1.0),
 }
 
@@ -60,18 +60,25 @@ class CommCounter:
         return next((name for name, r in self.groups.items() if r == ranks), f"ranks{ranks}")
 
     def _wrap(self, fn, kind, idx, group_idx, factor):
-        names = {0: ("tensor", "output_tensor", "output", "tensor_list"), 1: ("input_tensor", "input", "input_list", "tensor")}
+        names = {
+            0: ("tensor", "output_tensor", "output", "tensor_list"),
+            1: ("input_tensor", "input", "input_list", "tensor"),
+        }
 
         def wrapped(*args, **kwargs):
             if self.active:
                 group = args[group_idx] if len(args) > group_idx else kwargs.get("group")
                 tensor = args[idx] if len(args) > idx else next(kwargs[k] for k in names[idx] if k in kwargs)
-                numel = sum(t.numel() * t.element_size() for t in tensor) if isinstance(tensor, (list, tuple)) \
+                numel = (
+                    sum(t.numel() * t.element_size() for t in tensor)
+                    if isinstance(tensor, (list, tuple))
                     else tensor.numel() * tensor.element_size()
+                )
                 n = dist.get_world_size(group)
                 if n > 1:
                     self.bytes[(self._group_name(group), kind)] += numel * factor(n)
             return fn(*args, **kwargs)
+
         return wrapped
 
 
@@ -90,17 +97,19 @@ def tp_analytic(cfg, micro: int, accum: int, tp: int, sp: bool, elem: int) -> fl
 
 def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, int]:
     from megatron_lite.cli import load
-    from megatron_lite.training import run  # noqa: F401  (imports the modules the step needs)
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
     from megatron_lite.model.gpt import GPT
-    from megatron_lite.parallel.context import ParallelContext
     from megatron_lite.model.parallelize import parallelize
+    from megatron_lite.parallel.context import ParallelContext
+    from megatron_lite.training import run  # noqa: F401  (imports the modules the step needs)
 
     cfg = load(overrides)
     ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp)
-    counter.groups = {"tp": dist.get_process_group_ranks(ctx.tp_group) if ctx.tp_size > 1 else [],
-                      "dp": dist.get_process_group_ranks(ctx.dp_group) if ctx.dp_size > 1 else []}
+    counter.groups = {
+        "tp": dist.get_process_group_ranks(ctx.tp_group) if ctx.tp_size > 1 else [],
+        "dp": dist.get_process_group_ranks(ctx.dp_group) if ctx.dp_size > 1 else [],
+    }
     torch.manual_seed(cfg.seed)
     model = parallelize(GPT(cfg.model, tp=ctx.tp_size), ctx.tp_group, cfg.parallel.sp)
     n_params = sum(p.numel() for p in model.parameters())  # this rank's (TP-sharded) parameters
@@ -122,8 +131,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if "RANK" not in os.environ:  # relaunch under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", __file__,
-               *(argv or sys.argv[1:])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={args.nproc}",
+            __file__,
+            *(argv or sys.argv[1:]),
+        ]
         sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")))
 
     from megatron_lite.parallel.context import init_distributed
@@ -131,7 +146,12 @@ def main(argv=None) -> None:
     init_distributed()
     world = dist.get_world_size()
     counter = CommCounter({})
-    base = ["train.precision=fp32", "logging.wandb.mode=disabled", "train.micro_batch_size=4", "checkpoint.resume=never"]
+    base = [
+        "train.precision=fp32",
+        "logging.wandb.mode=disabled",
+        "train.micro_batch_size=4",
+        "checkpoint.resume=never",
+    ]
     rows = []
     for tp in (2, 4):
         for sp in (False, True):
@@ -143,8 +163,15 @@ def main(argv=None) -> None:
             got = sum(v for (g, _), v in measured.items() if g == "tp")
             want = tp_analytic(cfg, 4, 1, tp, sp, 4)
             kinds = {k: round(v) for (g, k), v in measured.items() if g == "tp"}
-            rows.append({"case": f"tp={tp} sp={sp}", "measured_bus_bytes": round(got), "analytic": round(want),
-                         "ratio": round(got / want, 4), "by_kind": kinds})
+            rows.append(
+                {
+                    "case": f"tp={tp} sp={sp}",
+                    "measured_bus_bytes": round(got),
+                    "analytic": round(want),
+                    "ratio": round(got / want, 4),
+                    "by_kind": kinds,
+                }
+            )
     for stage in (1, 2, 3):
         tp = max(1, world // 2)  # dp = 2, as the ZeRO comparison asks; count only the DP group
         dp = world // tp
@@ -154,17 +181,36 @@ def main(argv=None) -> None:
         ring = (dp - 1) / dp
         want = (3 if stage == 3 else 2) * n_params * 4 * ring
         kinds = {k: round(v) for (g, k), v in measured.items() if g == "dp"}
-        rows.append({"case": f"zero.stage={stage} dp={dp} tp={tp}", "measured_bus_bytes": round(got), "analytic": round(want),
-                     "ratio": round(got / want, 4), "by_kind": kinds})
+        rows.append(
+            {
+                "case": f"zero.stage={stage} dp={dp} tp={tp}",
+                "measured_bus_bytes": round(got),
+                "analytic": round(want),
+                "ratio": round(got / want, 4),
+                "by_kind": kinds,
+            }
+        )
     if dist.get_rank() == 0:
         print(f"{'case':<22}{'measured':>14}{'analytic':>14}{'ratio':>8}  by kind")
         for r in rows:
-            print(f"{r['case']:<22}{r['measured_bus_bytes']:>14,}{r['analytic']:>14,}{r['ratio']:>8.3f}  {r['by_kind']}")
+            print(
+                f"{r['case']:<22}{r['measured_bus_bytes']:>14,}{r['analytic']:>14,}{r['ratio']:>8.3f}  {r['by_kind']}"
+            )
         if args.out:
-            from tools.commit import git_commit
             import datetime
-            record = {"bench": "comm", "world": world, "model": "tiny", "precision": "fp32", "rows": rows,
-                      "date": datetime.date.today().isoformat(), "commit": git_commit(), "device": "CPU (gloo)"}
+
+            from tools.commit import git_commit
+
+            record = {
+                "bench": "comm",
+                "world": world,
+                "model": "tiny",
+                "precision": "fp32",
+                "rows": rows,
+                "date": datetime.date.today().isoformat(),
+                "commit": git_commit(),
+                "device": "CPU (gloo)",
+            }
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
     dist.barrier()

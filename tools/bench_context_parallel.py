@@ -52,8 +52,19 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODEL = dict(n_layers=2, n_heads=4, n_kv_heads=2, d_model=128, vocab_size=8192, norm="rmsnorm",
-             activation="swiglu", position="rope", tie_embeddings=False, bias=False, dropout=0.0)
+MODEL = dict(
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_model=128,
+    vocab_size=8192,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    tie_embeddings=False,
+    bias=False,
+    dropout=0.0,
+)
 SEQ_LENS = (1024, 2048, 4096)
 CPS = (1, 2, 4)
 FIT_SEQ, FIT_BUDGET_MIB = 16384, 1024
@@ -135,8 +146,9 @@ def attention(mode: str, q, k, v, group, blocks: str = "auto"):
 
     if mode == "ring":
         return ring_attention(q, k, v, group, blocks=blocks)
-    return ulysses_attention(q, k, v, group, lambda *t: torch.nn.functional.scaled_dot_product_attention(
-        *t, is_causal=True, enable_gqa=True))
+    return ulysses_attention(
+        q, k, v, group, lambda *t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True)
+    )
 
 
 def qkv(b: int, hq: int, hkv: int, s_local: int, hd: int):
@@ -167,9 +179,21 @@ def volume_rows() -> list[dict]:
             backward = counter.bytes - forward
             counter.restore()
             want = analytic(mode, b, hq, hkv, s, hd, cp)
-            rows.append({"mode": mode, "cp": cp, "b": b, "hq": hq, "hkv": hkv, "s": s, "hd": hd,
-                         "forward": forward, "forward_analytic": want["forward"],
-                         "backward": backward, "backward_analytic": want["backward"]})
+            rows.append(
+                {
+                    "mode": mode,
+                    "cp": cp,
+                    "b": b,
+                    "hq": hq,
+                    "hkv": hkv,
+                    "s": s,
+                    "hd": hd,
+                    "forward": forward,
+                    "forward_analytic": want["forward"],
+                    "backward": backward,
+                    "backward_analytic": want["backward"],
+                }
+            )
         dist.barrier()
     return rows
 
@@ -198,6 +222,7 @@ def overlap_rows(repeats: int) -> list[dict]:
                 for x in (q, k, v):
                     x.grad = None
                 attention(mode, q, k, v, group, blocks).backward(torch.ones_like(q))
+
             return step
 
         real_ring = C._Ring
@@ -234,11 +259,20 @@ def overlap_rows(repeats: int) -> list[dict]:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slower rank's, as a step waits for it
         t_ring, t_compute, t_p2p, t_ulysses, t_a2a, t_explicit = times.tolist()
         hidden = min(1.0, max(0.0, (t_compute + t_p2p - t_ring) / t_p2p))
-        rows.append({"cp": 2, "s": s, "ring_ms": 1e3 * t_ring, "ring_compute_ms": 1e3 * t_compute,
-                     "ring_p2p_ms": 1e3 * t_p2p, "ring_hidden_share": round(hidden, 3),
-                     "ulysses_ms": 1e3 * t_ulysses, "ulysses_a2a_ms": 1e3 * t_a2a,
-                     "ulysses_exposed_share": round(t_a2a / t_ulysses, 3),
-                     "ring_explicit_blocks_ms": 1e3 * t_explicit})
+        rows.append(
+            {
+                "cp": 2,
+                "s": s,
+                "ring_ms": 1e3 * t_ring,
+                "ring_compute_ms": 1e3 * t_compute,
+                "ring_p2p_ms": 1e3 * t_p2p,
+                "ring_hidden_share": round(hidden, 3),
+                "ulysses_ms": 1e3 * t_ulysses,
+                "ulysses_a2a_ms": 1e3 * t_a2a,
+                "ulysses_exposed_share": round(t_a2a / t_ulysses, 3),
+                "ring_explicit_blocks_ms": 1e3 * t_explicit,
+            }
+        )
     dist.barrier()
     return rows
 
@@ -272,8 +306,14 @@ def fit_step(cp: int) -> dict:
         outcome = f"does not fit ({str(e).splitlines()[0][:100]})"
     ok = torch.tensor([outcome == "fits"], dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return {"cp": cp, "seq_len": FIT_SEQ, "budget_mib": FIT_BUDGET_MIB, "outcome": outcome,
-            "all_ranks_fit": bool(ok.item()), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "cp": cp,
+        "seq_len": FIT_SEQ,
+        "budget_mib": FIT_BUDGET_MIB,
+        "outcome": outcome,
+        "all_ranks_fit": bool(ok.item()),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def launch(nproc: int, argv: list[str]) -> int:
@@ -282,8 +322,15 @@ def launch(nproc: int, argv: list[str]) -> int:
     # torchrun's scratch dirs go to a private TMPDIR and only this run's DeepSpeed buffers are removed, so a
     # shared machine's other jobs keep theirs.
     port, scratch = free_port(), tempfile.mkdtemp(prefix="bench_cp_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
-           __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={port}",
+        __file__,
+        *argv,
+    ]
     env = torchrun_env(ROOT, TMPDIR=scratch)
     try:
         return subprocess.call(cmd, env=env, cwd=ROOT)
@@ -301,17 +348,23 @@ def report(record: dict) -> None:
         print(f"{s:>8}" + "".join(f"{r['bytes'] / 2**20:>12.1f}{r['vs_cp1']:>9.3f}" for r in cells))
     print("2. bytes sent per rank per attention call (measured / analytic)")
     for r in record["volumes"]:
-        print(f"   {r['mode']:<8} cp={r['cp']} b={r['b']} s={r['s']} hq={r['hq']} hkv={r['hkv']} hd={r['hd']}: "
-              f"forward {r['forward']:,} / {r['forward_analytic']:,}   "
-              f"backward {r['backward']:,} / {r['backward_analytic']:,}")
+        print(
+            f"   {r['mode']:<8} cp={r['cp']} b={r['b']} s={r['s']} hq={r['hq']} hkv={r['hkv']} hd={r['hd']}: "
+            f"forward {r['forward']:,} / {r['forward_analytic']:,}   "
+            f"backward {r['backward']:,} / {r['backward_analytic']:,}"
+        )
     print("3. overlap at cp=2 (ms, median)")
     for r in record["overlap"]:
-        print(f"   s={r['s']}: ring {r['ring_ms']:.1f} = compute {r['ring_compute_ms']:.1f} + p2p "
-              f"{r['ring_p2p_ms']:.1f} alone -> hidden share {r['ring_hidden_share']:.2f};  ulysses "
-              f"{r['ulysses_ms']:.1f}, all-to-alls alone {r['ulysses_a2a_ms']:.1f} -> exposed "
-              f"{r['ulysses_exposed_share']:.2f}")
-        print(f"          ring with explicit blocks {r['ring_explicit_blocks_ms']:.1f} -> the fused CPU kernel is "
-              f"{r['ring_explicit_blocks_ms'] / r['ring_ms']:.1f}x faster")
+        print(
+            f"   s={r['s']}: ring {r['ring_ms']:.1f} = compute {r['ring_compute_ms']:.1f} + p2p "
+            f"{r['ring_p2p_ms']:.1f} alone -> hidden share {r['ring_hidden_share']:.2f};  ulysses "
+            f"{r['ulysses_ms']:.1f}, all-to-alls alone {r['ulysses_a2a_ms']:.1f} -> exposed "
+            f"{r['ulysses_exposed_share']:.2f}"
+        )
+        print(
+            f"          ring with explicit blocks {r['ring_explicit_blocks_ms']:.1f} -> the fused CPU kernel is "
+            f"{r['ring_explicit_blocks_ms'] / r['ring_ms']:.1f}x faster"
+        )
     print(f"4. one training step at seq_len {FIT_SEQ}, {FIT_BUDGET_MIB} MiB per process beyond model + optimizer")
     for r in record["fit"]:
         print(f"   cp={r['cp']}: {r['outcome']} (peak RSS {r['peak_rss_mib']:.0f} MiB)")
@@ -338,9 +391,17 @@ def main(argv=None) -> None:
         from tools.commit import git_commit
 
         dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout)
-        record = {"bench": "context_parallel", "date": datetime.date.today().isoformat(), "commit": git_commit(),
-                  "uncommitted_changes": dirty, "device": f"CPU ({os.cpu_count()} cores), gloo, fp32",
-                  "model": MODEL, **parts["main"], "overlap": parts["overlap"], "fit": [parts["fit1"], parts["fit4"]]}
+        record = {
+            "bench": "context_parallel",
+            "date": datetime.date.today().isoformat(),
+            "commit": git_commit(),
+            "uncommitted_changes": dirty,
+            "device": f"CPU ({os.cpu_count()} cores), gloo, fp32",
+            "model": MODEL,
+            **parts["main"],
+            "overlap": parts["overlap"],
+            "fit": [parts["fit1"], parts["fit4"]],
+        }
         report(record)
         if args.out:
             with open(args.out, "w") as f:

@@ -65,14 +65,25 @@ MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names;
 # so that a run cut short by its time budget still has every ratio of what it measured. Not run by default:
 # accum<m> and recast (side_overrides), e.g. --sides ours-accum4,ours-accum4-recast, and global<n> on any side
 # (global_batch), e.g. --sides ours-compile-global16,compiled-global16.
-SIDES = ("ours-auto", "hf", "compiled", "ours-compile", "ours-compile-global16", "compiled-global16", "ours-torch",
-         "ours-triton", "ours-zero1", "ours-zero1-compile")
+SIDES = (
+    "ours-auto",
+    "hf",
+    "compiled",
+    "ours-compile",
+    "ours-compile-global16",
+    "compiled-global16",
+    "ours-torch",
+    "ours-triton",
+    "ours-zero1",
+    "ours-zero1-compile",
+)
 BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
 MIN_CASE_S = 30  # a throughput case is not started with less than this left (start-up and warm-up alone)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The minimal compiled baseline: a GPT-2 in plain PyTorch, as nanoGPT writes it.
+
 
 class _Block(torch.nn.Module):
     def __init__(self, d: int, heads: int):
@@ -110,6 +121,7 @@ class MinimalGPT(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 # One case, in its own process.
 
+
 def _model_cfg(preset: str, seq: int):
     from omegaconf import OmegaConf
 
@@ -139,10 +151,18 @@ def side_overrides(preset: str, micro: int, seq: int, side: str) -> tuple[list[s
     m = int(accum[0][5:]) if accum else 1
     assert len(accum) <= 1 and micro % m == 0, f"{side}: {micro} sequences do not split into {m} micro-batches"
     backend = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
-    return [f"model={preset}", f"model.seq_len={seq}", "model.dropout=0.0", f"train.micro_batch_size={micro // m}",
-            f"train.global_batch_size={glob}", "train.precision=bf16", "logging.wandb.mode=disabled",
-            f"kernels.backend={backend}", f"train.compile={'true' if 'compile' in parts else 'false'}",
-            f"zero.stage={1 if 'zero1' in parts else 0}"], "recast" in parts
+    return [
+        f"model={preset}",
+        f"model.seq_len={seq}",
+        "model.dropout=0.0",
+        f"train.micro_batch_size={micro // m}",
+        f"train.global_batch_size={glob}",
+        "train.precision=bf16",
+        "logging.wandb.mode=disabled",
+        f"kernels.backend={backend}",
+        f"train.compile={'true' if 'compile' in parts else 'false'}",
+        f"zero.stage={1 if 'zero1' in parts else 0}",
+    ], "recast" in parts
 
 
 def _ours(preset: str, micro: int, seq: int, side: str):
@@ -150,9 +170,9 @@ def _ours(preset: str, micro: int, seq: int, side: str):
 
     from omegaconf import OmegaConf
 
-    from megatron_lite.kernels import resolve_backend
     from megatron_lite.cli import compose_config
     from megatron_lite.engine import Engine
+    from megatron_lite.kernels import resolve_backend
     from megatron_lite.model.build import build_model
     from megatron_lite.parallel.context import ParallelContext, init_distributed
 
@@ -168,8 +188,10 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     if recast:
         engine._weight_copies = contextlib.nullcontext
     t = cfg.train
-    batches = [torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq + 1), device=ctx.device)
-               for _ in range(t.global_batch_size // t.micro_batch_size)]
+    batches = [
+        torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq + 1), device=ctx.device)
+        for _ in range(t.global_batch_size // t.micro_batch_size)
+    ]
     return cfg.model, lambda: engine.train_step(batches, cfg.optim.lr, 1)
 
 
@@ -188,6 +210,7 @@ def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool, accumul
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -210,13 +233,20 @@ def device_seconds(events) -> float:
     """GPU time of the kernels, copies and memsets among torch.profiler's averaged events. An op's row repeats
     the device time of the kernels it launched, and so does a user annotation's GPU range
     (Optimizer.step#AdamW.step spans the fused AdamW kernels): neither is counted."""
-    return sum(e.self_device_time_total for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / 1e6
+    return (
+        sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
+        / 1e6
+    )
 
 
 def profile(step, path: str, steps: int = 3) -> None:
     """torch.profiler over a few steps: the kernels by GPU time, and the host-side ops by CPU time."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     t0 = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -233,8 +263,16 @@ def profile(step, path: str, steps: int = 3) -> None:
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
-def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: int,
-             profile_dir: str | None = None, before_timing=lambda: None) -> dict:
+def run_case(
+    preset: str,
+    micro: int,
+    seq: int,
+    side: str,
+    warmup: int,
+    steps: int,
+    profile_dir: str | None = None,
+    before_timing=lambda: None,
+) -> dict:
     from megatron_lite.metrics import model_flops_per_token, peak_flops
 
     t_start = time.perf_counter()
@@ -268,16 +306,28 @@ def run_case(preset: str, micro: int, seq: int, side: str, warmup: int, steps: i
     tokens = global_batch(side, micro) * seq
     peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
     tflops = model_flops_per_token(model_cfg, seq) * tokens / step_s
-    return {"model": preset, "side": side, "micro_batch": micro, "global_batch": global_batch(side, micro),
-            "seq_len": seq, "step_s": round(step_s, 5),
-            "step_s_spread": round((max(times) - min(times)) / step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
-            "tflops": round(tflops / 1e12, 1), "mfu": round(tflops / peak, 4), "peak_source": source,
-            "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "setup_s": round(setup_s, 1),
-            "warmup_s": round(warmup_s, 1), "timed_steps": steps}
+    return {
+        "model": preset,
+        "side": side,
+        "micro_batch": micro,
+        "global_batch": global_batch(side, micro),
+        "seq_len": seq,
+        "step_s": round(step_s, 5),
+        "step_s_spread": round((max(times) - min(times)) / step_s, 3),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tflops": round(tflops / 1e12, 1),
+        "mfu": round(tflops / peak, 4),
+        "peak_source": source,
+        "mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "setup_s": round(setup_s, 1),
+        "warmup_s": round(warmup_s, 1),
+        "timed_steps": steps,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The whole run.
+
 
 def ceilings() -> dict:
     """Measured device-to-device copy bandwidth (read + write) and bf16 matmul rate, on random data."""
@@ -297,11 +347,30 @@ def run_pytest(out_dir: str, quick: bool, timeout: float) -> dict:
     import xml.etree.ElementTree as ET
 
     xml = os.path.join(out_dir, "gpu_pytest.xml")
-    units = ["tests/unit/test_kernels_norm.py"] if quick else \
-        [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")] + \
-        ["tests/unit/test_ring_blocks.py"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", xml,
-           "-p", "no:logging", "tests/gpu", *units, "-k", "cuda or gpu"]  # gpu: all of tests/gpu
+    units = (
+        ["tests/unit/test_kernels_norm.py"]
+        if quick
+        else [f"tests/unit/test_kernels_{name}.py" for name in ("norm", "pointwise", "cross_entropy")]
+        + ["tests/unit/test_ring_blocks.py"]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--junitxml",
+        xml,
+        "-p",
+        "no:logging",
+        "tests/gpu",
+        *units,
+        "-k",
+        "cuda or gpu",
+    ]  # gpu: all of tests/gpu
     stdout, stderr, exit_code = _run(cmd, timeout)
     print("\n".join((stdout + stderr).strip().splitlines()[-30:]))
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
@@ -312,7 +381,9 @@ def run_pytest(out_dir: str, quick: bool, timeout: float) -> dict:
             if "failure" in kinds or "error" in kinds:
                 counts["failed" if "failure" in kinds else "errors"] += 1
                 why = next(child.get("message") or "" for child in case if child.tag in ("failure", "error"))
-                failures.append(f"{case.get('classname')}::{case.get('name')}: {why.splitlines()[0][:300] if why else ''}")
+                failures.append(
+                    f"{case.get('classname')}::{case.get('name')}: {why.splitlines()[0][:300] if why else ''}"
+                )
             elif "skipped" in kinds:
                 counts["skipped"] += 1
             else:
@@ -332,13 +403,13 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[str, 
         return text[0], text[1], f"stopped after {timeout:.0f} s (the run's budget)"
 
 
-
 def run_tool(name: str, out_dir: str, quick: bool, timeout: float) -> dict | None:
     """Run tools/<name>.py --out <json> in a fresh process, show its last lines, return what it wrote (None when
     it wrote nothing, or did not finish within `timeout` seconds)."""
     path = os.path.join(out_dir, f"_{name}.json")
-    stdout, stderr, code = _run([sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []),
-                                timeout)
+    stdout, stderr, code = _run(
+        [sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []), timeout
+    )
     stopped = f"\n{name}: {code}" if isinstance(code, str) else ""
     print("\n".join((stdout + stderr + stopped).strip().splitlines()[-40:]), flush=True)
     if not os.path.exists(path):
@@ -372,8 +443,17 @@ def serve(profile_dir: str | None) -> int:
     return 0
 
 
-def run_side(preset: str, micro: int, seq: int, side: str, quick: bool, profile_dir: str | None,
-             timeout: float, process: CaseProcess | None = None, after: CaseProcess | None = None) -> dict:
+def run_side(
+    preset: str,
+    micro: int,
+    seq: int,
+    side: str,
+    quick: bool,
+    profile_dir: str | None,
+    timeout: float,
+    process: CaseProcess | None = None,
+    after: CaseProcess | None = None,
+) -> dict:
     """One throughput case in `process` (a fresh one if None; see CaseProcess): its result, or {"error": ...}
     when it failed or outran `timeout` seconds."""
     warmup, steps = (2, 3) if quick else (4 if "compile" in side else 3, 12)
@@ -381,8 +461,12 @@ def run_side(preset: str, micro: int, seq: int, side: str, quick: bool, profile_
     line, stderr = process.run(f"{preset},{micro},{seq},{side},{warmup},{steps}", timeout, after)
     if line is not None:
         return json.loads(line[5:])
-    return {"model": preset, "side": side, "error": (stderr.strip().splitlines() or ["no output"])[-1],
-            "stderr_tail": stderr[-3000:]}
+    return {
+        "model": preset,
+        "side": side,
+        "error": (stderr.strip().splitlines() or ["no output"])[-1],
+        "stderr_tail": stderr[-3000:],
+    }
 
 
 def main(argv=None) -> int:
@@ -393,8 +477,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
-    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
-                    help="wall-clock budget: what would start after it is listed as not reached (default %(default)s)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="wall-clock budget: what would start after it is listed as not reached (default %(default)s)",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a CaseProcess
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -410,9 +498,16 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out_dir, exist_ok=True)
     device = torch.cuda.get_device_name()
-    record = {"bench": "gpu", "device": device, "date": datetime.date.today().isoformat(), "commit": git_commit(),
-              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-              "peak_tflops": peak_flops(torch.device("cuda"), torch.bfloat16)[0] / 1e12}
+    record = {
+        "bench": "gpu",
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "peak_tflops": peak_flops(torch.device("cuda"), torch.bfloat16)[0] / 1e12,
+    }
     stem = "gpu_" + device.lower().replace("nvidia ", "").replace(" ", "_") + ("_quick" if args.quick else "")
 
     def save() -> None:  # after every part, so that a run cut short keeps what it measured
@@ -426,13 +521,22 @@ def main(argv=None) -> int:
     record["budget_s"], record["not_reached"] = args.budget_s, []
     record["ceilings"] = ceilings()
     record["tests"], record["kernels"], record["throughput"] = None, None, []
-    print(f"bench_gpu: {device}: copy {record['ceilings']['copy_GBps']:,.0f} GB/s, bf16 matmul "
-          f"{record['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
-    record["tests"] = ({"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": [], "exit_code": None}
-                       if "tests" in skip else run_pytest(args.out_dir, args.quick, left()))
+    print(
+        f"bench_gpu: {device}: copy {record['ceilings']['copy_GBps']:,.0f} GB/s, bf16 matmul "
+        f"{record['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s",
+        flush=True,
+    )
+    record["tests"] = (
+        {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": [], "exit_code": None}
+        if "tests" in skip
+        else run_pytest(args.out_dir, args.quick, left())
+    )
     save()
-    print(f"bench_gpu: tests {record['tests']['passed']} passed, {record['tests']['failed']} failed "
-          f"({time.time() - t0:.0f} s)", flush=True)
+    print(
+        f"bench_gpu: tests {record['tests']['passed']} passed, {record['tests']['failed']} failed "
+        f"({time.time() - t0:.0f} s)",
+        flush=True,
+    )
     if "kernels" not in skip:
         record["kernels"] = run_tool("bench_kernels", args.out_dir, args.quick, left())
         save()
@@ -449,10 +553,13 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"bench_gpu: {preset} {side} FAILED: {r['error']}\n{r.pop('stderr_tail')}", flush=True)
             else:
-                print(f"bench_gpu: {preset} {side}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
-                      f"MFU {100 * r['mfu']:.1f}%, mem {r['mem_peak_gib']:.1f} GiB; start-up {r['imports_s']:.0f} s "
-                      f"(ahead of its turn), set-up {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s "
-                      f"({time.time() - t0:.0f} s)", flush=True)
+                print(
+                    f"bench_gpu: {preset} {side}: {r['tokens_per_s']:,.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
+                    f"MFU {100 * r['mfu']:.1f}%, mem {r['mem_peak_gib']:.1f} GiB; start-up {r['imports_s']:.0f} s "
+                    f"(ahead of its turn), set-up {r['setup_s']:.0f} s, warm-up {r['warmup_s']:.0f} s "
+                    f"({time.time() - t0:.0f} s)",
+                    flush=True,
+                )
             record["throughput"].append(r)
             save()
         if after is not None:  # started for a case the budget did not reach
@@ -463,8 +570,11 @@ def main(argv=None) -> int:
         else:
             record["tune"] = run_tool("tune_norm_kernels", args.out_dir, args.quick, left())
     if record["not_reached"]:
-        print(f"bench_gpu: not reached within the {args.budget_s:.0f} s budget: {', '.join(record['not_reached'])} "
-              "(--budget-s, --sides, --models or --skip)", flush=True)
+        print(
+            f"bench_gpu: not reached within the {args.budget_s:.0f} s budget: {', '.join(record['not_reached'])} "
+            "(--budget-s, --sides, --models or --skip)",
+            flush=True,
+        )
     save()
     print(markdown(record))
     print(f"bench_gpu: done in {time.time() - t0:.0f} s: {args.out_dir}/{stem}.json and .md")

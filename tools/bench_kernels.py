@@ -35,6 +35,7 @@ from tools.commit import git_commit  # noqa: E402
 
 def cases(tokens: int, hidden: int, ffn: int, heads: int, vocab: int, dtype, device):
     """(name, triton fn, reference fn, inputs, bytes forward, bytes forward+backward) at a GPT shape."""
+
     def t(*shape, grad=True, dt=dtype):
         return torch.randn(*shape, device=device, dtype=dt).requires_grad_(grad)
 
@@ -49,8 +50,14 @@ def cases(tokens: int, hidden: int, ffn: int, heads: int, vocab: int, dtype, dev
     logits, labels = t(tokens, vocab), torch.randint(0, vocab, (tokens,), device=device)
     n = tokens * hidden
     yield "rmsnorm", rmsnorm.rms_norm_triton, rmsnorm.rms_norm_reference, (x, w, 1e-5), 2 * n * e, 5 * n * e
-    yield ("layernorm", layernorm.layer_norm_triton, layernorm.layer_norm_reference, (x, w, bias, 1e-5),
-           2 * n * e, 5 * n * e)
+    yield (
+        "layernorm",
+        layernorm.layer_norm_triton,
+        layernorm.layer_norm_reference,
+        (x, w, bias, 1e-5),
+        2 * n * e,
+        5 * n * e,
+    )
     yield "rope", rope.apply_rope_triton, rope.apply_rope_reference, (q, cos, sin), 2 * n * e, 4 * n * e
     m = tokens * ffn
     yield "swiglu", swiglu.swiglu_triton, swiglu.swiglu_reference, (h_up,), 3 * m * e, 8 * m * e
@@ -58,8 +65,14 @@ def cases(tokens: int, hidden: int, ffn: int, heads: int, vocab: int, dtype, dev
     v = tokens * vocab
     # The kernel's backward writes the gradient over its logits, so repeated calls see changed (finite)
     # values; the traffic, and so the timing, is the same.
-    yield ("cross_entropy", cross_entropy.cross_entropy_triton, cross_entropy.cross_entropy_reference,
-           (logits, labels), v * e, 3 * v * e)
+    yield (
+        "cross_entropy",
+        cross_entropy.cross_entropy_triton,
+        cross_entropy.cross_entropy_reference,
+        (logits, labels),
+        v * e,
+        3 * v * e,
+    )
 
 
 def timer(device):
@@ -75,6 +88,7 @@ def timer(device):
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
     return once
 
 
@@ -142,9 +156,11 @@ def copy_bandwidth(device, measure) -> float:
 def run_case(fn, inputs, backward: bool):
     tensors = [i for i in inputs if isinstance(i, torch.Tensor) and i.requires_grad]
     if not backward:
+
         def step():
             with torch.no_grad():
                 fn(*inputs)
+
         return step
 
     incoming = []  # the gradient handed to backward, made once: filling it is not the op's work
@@ -160,6 +176,7 @@ def run_case(fn, inputs, backward: bool):
         # those passes take about 0.55 of the 1.44 ms cross entropy measured forward + backward on an H100, and
         # 0.034 of rope's 0.085 ms.
         torch.autograd.grad(out, tensors, incoming[0])
+
     return step
 
 
@@ -172,8 +189,11 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     device, quick = kernel_device("bench_kernels", args.quick)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    shape = dict(tokens=64, hidden=96, ffn=160, heads=4, vocab=1000) if quick else \
-        dict(tokens=8192, hidden=2048, ffn=8192, heads=16, vocab=50304)  # gpt-1.3b, 4 x 2048 tokens
+    shape = (
+        dict(tokens=64, hidden=96, ffn=160, heads=4, vocab=1000)
+        if quick
+        else dict(tokens=8192, hidden=2048, ffn=8192, heads=16, vocab=50304)
+    )  # gpt-1.3b, 4 x 2048 tokens
     measure = timer(device)
     measure_gpu = gpu_timer() if device.type == "cuda" else None
     bandwidth = copy_bandwidth(device, measure) if not quick else float("nan")
@@ -184,8 +204,14 @@ def main(argv=None) -> list[dict]:
             impls["compile"] = torch.compile(reference, dynamic=False)
         for phase, nbytes, backward in (("fwd", bytes_fwd, False), ("fwd+bwd", bytes_all, True)):
             times = {k: measure(run_case(fn, inputs, backward)) for k, fn in impls.items()}
-            row = {"op": name, "phase": phase, "bytes": nbytes, **{f"{k}_ms": 1e3 * v for k, v in times.items()},
-                   "triton_GBps": nbytes / times["triton"] / 1e9, "speedup_vs_eager": times["eager"] / times["triton"]}
+            row = {
+                "op": name,
+                "phase": phase,
+                "bytes": nbytes,
+                **{f"{k}_ms": 1e3 * v for k, v in times.items()},
+                "triton_GBps": nbytes / times["triton"] / 1e9,
+                "speedup_vs_eager": times["eager"] / times["triton"],
+            }
             if "compile" in times:
                 row["speedup_vs_compile"] = times["compile"] / times["triton"]
             row["fraction_of_copy_bw"] = nbytes / times["triton"] / bandwidth
@@ -193,15 +219,24 @@ def main(argv=None) -> list[dict]:
             if measure_gpu is not None:  # the same, in GPU time (launch overhead hidden)
                 gpu = {k: measure_gpu(run_case(fn, inputs, backward)) for k, fn in impls.items()}
                 row.update({f"{k}_gpu_ms": 1e3 * v for k, v in gpu.items()})
-                row.update(gpu_GBps=nbytes / gpu["triton"] / 1e9, gpu_fraction_of_copy_bw=nbytes / gpu["triton"] / bandwidth,
-                           gpu_speedup_vs_eager=gpu["eager"] / gpu["triton"])
+                row.update(
+                    gpu_GBps=nbytes / gpu["triton"] / 1e9,
+                    gpu_fraction_of_copy_bw=nbytes / gpu["triton"] / bandwidth,
+                    gpu_speedup_vs_eager=gpu["eager"] / gpu["triton"],
+                )
                 if "compile" in gpu:
                     row["gpu_speedup_vs_compile"] = gpu["compile"] / gpu["triton"]
-                line += "  | GPU " + "  ".join(f"{k} {1e3 * v:7.3f}" for k, v in gpu.items()) + \
-                    f" ms, triton {100 * row['gpu_fraction_of_copy_bw']:.0f}% of copy"
+                line += (
+                    "  | GPU "
+                    + "  ".join(f"{k} {1e3 * v:7.3f}" for k, v in gpu.items())
+                    + f" ms, triton {100 * row['gpu_fraction_of_copy_bw']:.0f}% of copy"
+                )
             rows.append(row)
-            share = "" if device.type == "cpu" else \
-                f"  per call: triton {row['triton_GBps']:7.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
+            share = (
+                ""
+                if device.type == "cpu"
+                else f"  per call: triton {row['triton_GBps']:7.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
+            )
             print(f"{name:<14}{phase:<9}" + line + share + f"  x{row['speedup_vs_eager']:.2f} vs eager", flush=True)
     if device.type == "cpu":
         print("CPU interpreter: every path ran; the timings are not kernel speed (no result written)")
@@ -209,9 +244,20 @@ def main(argv=None) -> list[dict]:
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"bench": "kernels", "device": torch.cuda.get_device_name(), "dtype": args.dtype,
-                       "shape": shape, "copy_GBps": bandwidth / 1e9, "rows": rows, "commit": git_commit(),
-                       "date": datetime.date.today().isoformat()}, f, indent=1)
+            json.dump(
+                {
+                    "bench": "kernels",
+                    "device": torch.cuda.get_device_name(),
+                    "dtype": args.dtype,
+                    "shape": shape,
+                    "copy_GBps": bandwidth / 1e9,
+                    "rows": rows,
+                    "commit": git_commit(),
+                    "date": datetime.date.today().isoformat(),
+                },
+                f,
+                indent=1,
+            )
     return rows
 
 

@@ -57,8 +57,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_lite.pipeline.simulate import expected_bubble, label, simulate  # noqa: E402
 from megatron_lite.pipeline.schedules import Comm, build_schedule, v_shaped  # noqa: E402
+from megatron_lite.pipeline.simulate import expected_bubble, label, simulate  # noqa: E402
 from tools.bench_comm import CommCounter  # noqa: E402
 
 PP, MS = 4, (4, 8, 16)
@@ -148,8 +148,12 @@ def hop_ms(ctx, iters: int = 40) -> float:
         stamps.append(t0 if sender else time.perf_counter())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, stamps)
-    return statistics.median(done - posted for r in range(0, len(everyone), 2)
-                             for posted, done in zip(everyone[r], everyone[r + 1])) * 1e3
+    return (
+        statistics.median(
+            done - posted for r in range(0, len(everyone), 2) for posted, done in zip(everyone[r], everyone[r + 1])
+        )
+        * 1e3
+    )
 
 
 def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> dict | None:
@@ -160,8 +164,9 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
     f_chunk, b_chunk = f_s / vpp, 2 * f_s / vpp
     model = StandIn(vpp, ACT_SHAPE[2], f_chunk, b_chunk)
     chunks = rank_chunks(ctx.pp_rank, PP, vpp, PP * vpp, v_shape=v_shaped(schedule))
-    executor = PipelineExecutor(chunks, schedule, PP, ctx.pp_rank, ACT_SHAPE,
-                                torch.float32, ctx.device, ctx.pp_global_rank, ctx.pp_group)
+    executor = PipelineExecutor(
+        chunks, schedule, PP, ctx.pp_rank, ACT_SHAPE, torch.float32, ctx.device, ctx.pp_global_rank, ctx.pp_group
+    )
     executor.record_timeline = True
     batches = [torch.randint(0, 100, (ACT_SHAPE[0], ACT_SHAPE[1] + 1)) for _ in range(m)]  # (b, s+1) tokens
     runs = []
@@ -174,11 +179,15 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
         dist.gather_object((after_barrier, stats.timeline, stats.wait_s), gathered, dst=0)
         if ctx.rank == 0 and step > 0:
             t0 = min(e[0] for _, tl, _ in gathered for e in tl)
-            runs.append({"makespan": max(e[1] for _, tl, _ in gathered for e in tl) - t0,
-                         "busy": max(sum(e[1] - e[0] for e in tl) for _, tl, _ in gathered),
-                         "spread": max(g[0] for g in gathered) - min(g[0] for g in gathered),
-                         "timelines": [[(e[0] - t0, e[1] - t0, *e[2:]) for e in tl] for _, tl, _ in gathered],
-                         "wait_s": [w for _, _, w in gathered]})
+            runs.append(
+                {
+                    "makespan": max(e[1] for _, tl, _ in gathered for e in tl) - t0,
+                    "busy": max(sum(e[1] - e[0] for e in tl) for _, tl, _ in gathered),
+                    "spread": max(g[0] for g in gathered) - min(g[0] for g in gathered),
+                    "timelines": [[(e[0] - t0, e[1] - t0, *e[2:]) for e in tl] for _, tl, _ in gathered],
+                    "wait_s": [w for _, _, w in gathered],
+                }
+            )
     if ctx.rank != 0:
         return None
     ideal = m * vpp * (f_chunk + b_chunk)
@@ -190,8 +199,9 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
     kinds = {e[2] for tl in med["timelines"] for e in tl}
     mean = {k: statistics.mean(e[1] - e[0] for tl in med["timelines"] for e in tl if e[2] == k) for k in kinds}
     backward = mean["B"] + mean.get("W", 0.0)
-    at_measured_costs = simulate(plan, PP, vpp, m, mean["F"], backward, w_cost=mean.get("W"),
-                                 v_shape=v_shaped(schedule)).makespan  # messages still free
+    at_measured_costs = simulate(
+        plan, PP, vpp, m, mean["F"], backward, w_cost=mean.get("W"), v_shape=v_shaped(schedule)
+    ).makespan  # messages still free
     peaks = [0] * PP
     for rank, tl in enumerate(med["timelines"]):  # forwards whose W (B without W's) has not run
         held = 0
@@ -199,15 +209,28 @@ def run_case(ctx, schedule: str, vpp: int, m: int, f_s: float, steps: int) -> di
             held += 1 if e[2] == "F" else -1 if e[2] == ("W" if "W" in kinds else "B") else 0
             peaks[rank] = max(peaks[rank], held)
     return {
-        "schedule": schedule, "vpp": vpp, "m": m, "f_chunk_ms": f_chunk * 1e3, "b_chunk_ms": b_chunk * 1e3,
-        "theory": sim.bubble, "formula": expected_bubble(schedule, PP, vpp, m, f_chunk, b_chunk),
-        "peak_in_flight_sim": sim.peak_in_flight, "peak_held_sim": sim.peak_held, "peak_held_measured": peaks,
-        "measured": (med["makespan"] - ideal) / ideal, "busy": (med["makespan"] - med["busy"]) / med["busy"],
+        "schedule": schedule,
+        "vpp": vpp,
+        "m": m,
+        "f_chunk_ms": f_chunk * 1e3,
+        "b_chunk_ms": b_chunk * 1e3,
+        "theory": sim.bubble,
+        "formula": expected_bubble(schedule, PP, vpp, m, f_chunk, b_chunk),
+        "peak_in_flight_sim": sim.peak_in_flight,
+        "peak_held_sim": sim.peak_held,
+        "peak_held_measured": peaks,
+        "measured": (med["makespan"] - ideal) / ideal,
+        "busy": (med["makespan"] - med["busy"]) / med["busy"],
         "measured_all_steps": [(r["makespan"] - ideal) / ideal for r in runs],
-        "ratio": (med["makespan"] - ideal) / ideal / sim.bubble, "makespan_ms": med["makespan"] * 1e3,
-        "ideal_ms": ideal * 1e3, "theory_makespan_ms": sim.makespan * 1e3, "comm_steps_per_rank": n_comms,
+        "ratio": (med["makespan"] - ideal) / ideal / sim.bubble,
+        "makespan_ms": med["makespan"] * 1e3,
+        "ideal_ms": ideal * 1e3,
+        "theory_makespan_ms": sim.makespan * 1e3,
+        "comm_steps_per_rank": n_comms,
         "extra_ms_per_comm": (med["makespan"] - at_measured_costs) * 1e3 / n_comms,
-        "mean_f_ms": mean["F"] * 1e3, "mean_b_ms": mean["B"] * 1e3, "mean_w_ms": mean.get("W", 0.0) * 1e3,
+        "mean_f_ms": mean["F"] * 1e3,
+        "mean_b_ms": mean["B"] * 1e3,
+        "mean_w_ms": mean.get("W", 0.0) * 1e3,
         "wait_ms_per_rank": [round(w * 1e3, 1) for w in med["wait_s"]],
         "barrier_exit_spread_ms": med["spread"] * 1e3,
         "timelines": med["timelines"],
@@ -224,31 +247,60 @@ def plot_timeline(row: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colour = {("F", 0): "#1f5fa8", ("F", 1): "#8fbbe6", ("B", 0): "#c0392b", ("B", 1): "#f1a79c",
-              ("W", 0): "#2e8b57", ("W", 1): "#9fd8b5"}
+    colour = {
+        ("F", 0): "#1f5fa8",
+        ("F", 1): "#8fbbe6",
+        ("B", 0): "#c0392b",
+        ("B", 1): "#f1a79c",
+        ("W", 0): "#2e8b57",
+        ("W", 1): "#9fd8b5",
+    }
     kinds = [k for k in "FBW" if any(e[2] == k for tl in row["timelines"] for e in tl)]
-    vpp, panels = row["vpp"], (("executed (gloo, sleep-based chunks)", row["timelines"]),
-                               ("simulated (same costs, free messages)", row["sim_timelines"]))
+    vpp, panels = (
+        row["vpp"],
+        (
+            ("executed (gloo, sleep-based chunks)", row["timelines"]),
+            ("simulated (same costs, free messages)", row["sim_timelines"]),
+        ),
+    )
     fig, axes = plt.subplots(2, 1, figsize=(15, 5.6), sharex=True)
     for ax, (title, timelines) in zip(axes, panels):
         for rank, tl in enumerate(timelines):
             for start, end, kind, mb, chunk in tl:
                 s, w = start * 1e3, (end - start) * 1e3
                 ax.barh(rank, w, left=s, height=0.8, color=colour[(kind, chunk)], edgecolor="white", lw=0.5)
-                ax.text(s + w / 2, rank, label("", mb, chunk, vpp), ha="center", va="center",
-                        fontsize=6.5 if vpp == 1 else 5.5, color="white" if chunk == 0 else "black")
+                ax.text(
+                    s + w / 2,
+                    rank,
+                    label("", mb, chunk, vpp),
+                    ha="center",
+                    va="center",
+                    fontsize=6.5 if vpp == 1 else 5.5,
+                    color="white" if chunk == 0 else "black",
+                )
         ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
     axes[1].set_xlabel("time since the first forward starts (ms)")
     names = {"F": "forward", "B": "input gradient (B)" if "W" in kinds else "backward", "W": "weight gradient (W)"}
-    handles = [Patch(color=colour[(k, c)], label=names[k] + (f" chunk {c} ({'ab'[c]})" if vpp > 1 else ""))
-               for k in kinds for c in range(vpp)]
+    handles = [
+        Patch(color=colour[(k, c)], label=names[k] + (f" chunk {c} ({'ab'[c]})" if vpp > 1 else ""))
+        for k in kinds
+        for c in range(vpp)
+    ]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    costs = (f"F={row['f_chunk_ms']:.0f} ms, B=W={row['b_chunk_ms'] / 2:.0f} ms" if "W" in kinds
-             else f"F={row['f_chunk_ms']:.0f} ms, B={row['b_chunk_ms']:.0f} ms")
-    fig.suptitle(f"pp={PP} m={row['m']} {row['schedule']} vpp={vpp}: bubble measured {row['measured']:.3f}, "
-                 f"simulated {row['theory']:.3f}  ({costs} per chunk)", x=0.01, ha="left", fontsize=10)
+    costs = (
+        f"F={row['f_chunk_ms']:.0f} ms, B=W={row['b_chunk_ms'] / 2:.0f} ms"
+        if "W" in kinds
+        else f"F={row['f_chunk_ms']:.0f} ms, B={row['b_chunk_ms']:.0f} ms"
+    )
+    fig.suptitle(
+        f"pp={PP} m={row['m']} {row['schedule']} vpp={vpp}: bubble measured {row['measured']:.3f}, "
+        f"simulated {row['theory']:.3f}  ({costs} per chunk)",
+        x=0.01,
+        ha="left",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 0.93))
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -273,24 +325,34 @@ class CallCounter(CommCounter):
             if self.active and dist.get_world_size(group) > 1:
                 self.calls[(self._group_name(group), kind)] += 1
             return counted(*args, **kwargs)
+
         return wrapped
 
 
 def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     """One pp=2 x dp=2 training step with zero.stage=stage, collectives counted by group and phase."""
-    from megatron_lite.kernels import resolve_backend
     from megatron_lite.cli import load
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
+    from megatron_lite.kernels import resolve_backend
     from megatron_lite.model.gpt import GPT
-    from megatron_lite.parallel.context import ParallelContext
     from megatron_lite.model.parallelize import parallelize
     from megatron_lite.model.tied import tie_across_stages
+    from megatron_lite.parallel.context import ParallelContext
     from megatron_lite.pipeline.partition import rank_chunks
 
     micro = 2
-    cfg = load(["train.precision=fp32", "logging.wandb.mode=disabled", "checkpoint.resume=never", "parallel.pp=2",
-                f"zero.stage={stage}", f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * 2 * m}"])
+    cfg = load(
+        [
+            "train.precision=fp32",
+            "logging.wandb.mode=disabled",
+            "checkpoint.resume=never",
+            "parallel.pp=2",
+            f"zero.stage={stage}",
+            f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={micro * 2 * m}",
+        ]
+    )
     ctx = ParallelContext.build(1, 2)
     counter.groups = {name: dist.get_process_group_ranks(g) for name, g in (("dp", ctx.dp_group), ("pp", ctx.pp_group))}
     torch.manual_seed(cfg.seed)
@@ -316,9 +378,13 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     engine.train_step(batches.next_step(), 1e-3, 2)
     counter.active = False
     engine.close()
-    return {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "params": n_params,
-            "bus_bytes": {f"{g} {k}": round(v) for (g, k), v in sorted(counter.bytes.items())},
-            "calls": {f"{g} {k}": c for (g, k), c in sorted(counter.calls.items())}}
+    return {
+        "rank": ctx.rank,
+        "pp_rank": ctx.pp_rank,
+        "params": n_params,
+        "bus_bytes": {f"{g} {k}": round(v) for (g, k), v in sorted(counter.bytes.items())},
+        "calls": {f"{g} {k}": c for (g, k), c in sorted(counter.calls.items())},
+    }
 
 
 def main(argv=None) -> None:
@@ -337,8 +403,15 @@ def main(argv=None) -> None:
         # them from under other jobs on a shared machine): torchrun's scratch dirs go to a private TMPDIR,
         # and DeepSpeed names its CPU all-reduce buffers /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>.
         port, scratch = free_port(), tempfile.mkdtemp(prefix="bench_pipeline_")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PP}", f"--master-port={port}",
-               __file__, *(argv or sys.argv[1:])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={PP}",
+            f"--master-port={port}",
+            __file__,
+            *(argv or sys.argv[1:]),
+        ]
         env = torchrun_env(ROOT, TMPDIR=scratch)
         try:
             code = subprocess.call(cmd, env=env, cwd=ROOT)
@@ -361,25 +434,40 @@ def main(argv=None) -> None:
         dist.gather_object(measure_zero(stage, counter), per_rank, dst=0)
         zero[f"zero.stage={stage}"] = per_rank
     if ctx.rank == 0:
-        print(f"pp={PP}, F={args.f_ms:g} ms per rank-share (B=2F), median of {args.steps} steps; one message hop "
-              f"takes {hop:.2f} ms when the receiver is already waiting")
-        print(f"{'schedule':<12}{'vpp':>4}{'m':>4}{'theory':>9}{'measured':>10}{'ratio':>7}{'busy':>8}"
-              f"{'makespan ms':>13}{'ideal ms':>10}{'F ms':>7}{'B ms':>7}{'W ms':>7}{'extra ms/Comm':>15}"
-              "  peak held per rank")
+        print(
+            f"pp={PP}, F={args.f_ms:g} ms per rank-share (B=2F), median of {args.steps} steps; one message hop "
+            f"takes {hop:.2f} ms when the receiver is already waiting"
+        )
+        print(
+            f"{'schedule':<12}{'vpp':>4}{'m':>4}{'theory':>9}{'measured':>10}{'ratio':>7}{'busy':>8}"
+            f"{'makespan ms':>13}{'ideal ms':>10}{'F ms':>7}{'B ms':>7}{'W ms':>7}{'extra ms/Comm':>15}"
+            "  peak held per rank"
+        )
         for r in rows:
-            print(f"{r['schedule']:<12}{r['vpp']:>4}{r['m']:>4}{r['theory']:>9.3f}{r['measured']:>10.3f}"
-                  f"{r['ratio']:>7.2f}{r['busy']:>8.3f}{r['makespan_ms']:>13.1f}{r['ideal_ms']:>10.1f}"
-                  f"{r['mean_f_ms']:>7.2f}{r['mean_b_ms']:>7.2f}{r['mean_w_ms']:>7.2f}{r['extra_ms_per_comm']:>15.2f}"
-                  f"  {r['peak_held_measured']}")
+            print(
+                f"{r['schedule']:<12}{r['vpp']:>4}{r['m']:>4}{r['theory']:>9.3f}{r['measured']:>10.3f}"
+                f"{r['ratio']:>7.2f}{r['busy']:>8.3f}{r['makespan_ms']:>13.1f}{r['ideal_ms']:>10.1f}"
+                f"{r['mean_f_ms']:>7.2f}{r['mean_b_ms']:>7.2f}{r['mean_w_ms']:>7.2f}{r['extra_ms_per_comm']:>15.2f}"
+                f"  {r['peak_held_measured']}"
+            )
         if zero:  # (not measured with --no-zero)
-            print("DP-group collectives of one pp=2 x dp=2 step, m=4, per rank: bus bytes (calls) during the schedule "
-                  "| during step()")
+            print(
+                "DP-group collectives of one pp=2 x dp=2 step, m=4, per rank: bus bytes (calls) during the schedule "
+                "| during step()"
+            )
         for stage, per_rank in zero.items():  # empty with --no-zero
             for r in per_rank:
-                cells = [[sum(v for k, v in r[what].items() if k.startswith(f"dp/{phase} "))
-                          for what in ("bus_bytes", "calls")] for phase in ("schedule", "step")]
-                print(f"{stage} rank {r['rank']} (pp_rank {r['pp_rank']}, {r['params']:,} params): "
-                      + " | ".join(f"{b:,} ({c})" for b, c in cells))
+                cells = [
+                    [
+                        sum(v for k, v in r[what].items() if k.startswith(f"dp/{phase} "))
+                        for what in ("bus_bytes", "calls")
+                    ]
+                    for phase in ("schedule", "step")
+                ]
+                print(
+                    f"{stage} rank {r['rank']} (pp_rank {r['pp_rank']}, {r['params']:,} params): "
+                    + " | ".join(f"{b:,} ({c})" for b, c in cells)
+                )
         out_dir = os.path.dirname(args.out) if args.out else os.path.join(ROOT, "bench", "results")
         os.makedirs(out_dir, exist_ok=True)
         for r in rows:
@@ -390,14 +478,22 @@ def main(argv=None) -> None:
             from tools.commit import git_commit
 
             dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout)
-            record = {"bench": "pipeline", "date": datetime.date.today().isoformat(), "commit": git_commit(),
-                      "uncommitted_changes": dirty,
-                      "device": f"CPU ({os.cpu_count()} cores), gloo, {PP} ranks", "pp": PP, "f_ms": args.f_ms,
-                      "b_over_f": 2, "act_shape": ACT_SHAPE, "measured_steps": args.steps, "awaited_hop_ms": hop,
-                      "rows": [{k: v for k, v in r.items() if not k.endswith("timelines")} for r in rows],
-                      "timelines_m8": {f"{r['schedule']}_vpp{r['vpp']}": r["timelines"] for r in rows
-                                       if r["m"] == PLOT_M},
-                      "zero_pp2_dp2_m4": zero}
+            record = {
+                "bench": "pipeline",
+                "date": datetime.date.today().isoformat(),
+                "commit": git_commit(),
+                "uncommitted_changes": dirty,
+                "device": f"CPU ({os.cpu_count()} cores), gloo, {PP} ranks",
+                "pp": PP,
+                "f_ms": args.f_ms,
+                "b_over_f": 2,
+                "act_shape": ACT_SHAPE,
+                "measured_steps": args.steps,
+                "awaited_hop_ms": hop,
+                "rows": [{k: v for k, v in r.items() if not k.endswith("timelines")} for r in rows],
+                "timelines_m8": {f"{r['schedule']}_vpp{r['vpp']}": r["timelines"] for r in rows if r["m"] == PLOT_M},
+                "zero_pp2_dp2_m4": zero,
+            }
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
     dist.barrier()

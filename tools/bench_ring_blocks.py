@@ -22,7 +22,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.parallel.context_parallel import (  # noqa: E402
-    RingCall, fused_kernel, ring_backward, ring_forward, shard_sequence,
+    RingCall,
+    fused_kernel,
+    ring_backward,
+    ring_forward,
+    shard_sequence,
 )
 
 
@@ -104,14 +108,18 @@ def main() -> None:
     if min(args.cp, args.seq, args.batch, args.heads, args.kv_heads, args.head_dim, args.repeats) < 1:
         ap.error("--cp, --seq, --batch, --heads, --kv-heads, --head-dim and --repeats must be >= 1")
     if args.heads % args.kv_heads or args.seq % (2 * args.cp):
-        ap.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}, and 2 x --cp {args.cp} must divide "
-                 f"--seq {args.seq} (each rank holds two chunks)")
+        ap.error(
+            f"--kv-heads {args.kv_heads} must divide --heads {args.heads}, and 2 x --cp {args.cp} must divide "
+            f"--seq {args.seq} (each rank holds two chunks)"
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA device here; use --device cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(args.batch, h, args.seq, args.head_dim, generator=g).to(args.device, dtype)
-                     for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
+    q, k, v, grad = (
+        torch.randn(args.batch, h, args.seq, args.head_dim, generator=g).to(args.device, dtype)
+        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    )
     kernel = fused_kernel(q)
     times, results = {}, {}
     for name, kern in (("fused", kernel), ("explicit", None)):
@@ -121,17 +129,31 @@ def main() -> None:
             results[name] = ring_in_threads(q, k, v, grad, args.cp, kern)
             best = min(best, time.perf_counter() - t0)
         times[name] = best
-    diffs = {part: max(relative(f[i], e[i]) for f, e in zip(results["fused"], results["explicit"]))
-             for i, part in enumerate(("output", "dq", "dk", "dv"))}
-    row = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "dtype": args.dtype,
-           "cp": args.cp, "seq": args.seq, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
-           "head_dim": args.head_dim, "fused_kernel": kernel, "fused_s": times["fused"],
-           "explicit_s": times["explicit"], "speedup": times["explicit"] / times["fused"],
-           "fused_vs_explicit_relative": diffs}
-    print(f"ring blocks, {row['device']} {args.dtype}, cp {args.cp} (threads), b {args.batch} s {args.seq} heads "
-          f"{args.heads}/{args.kv_heads} hd {args.head_dim}: fused ({kernel}) {times['fused'] * 1e3:.1f} ms, "
-          f"explicit {times['explicit'] * 1e3:.1f} ms, {row['speedup']:.2f}x; fused vs explicit "
-          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    diffs = {
+        part: max(relative(f[i], e[i]) for f, e in zip(results["fused"], results["explicit"]))
+        for i, part in enumerate(("output", "dq", "dk", "dv"))
+    }
+    row = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "cp": args.cp,
+        "seq": args.seq,
+        "batch": args.batch,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "fused_kernel": kernel,
+        "fused_s": times["fused"],
+        "explicit_s": times["explicit"],
+        "speedup": times["explicit"] / times["fused"],
+        "fused_vs_explicit_relative": diffs,
+    }
+    print(
+        f"ring blocks, {row['device']} {args.dtype}, cp {args.cp} (threads), b {args.batch} s {args.seq} heads "
+        f"{args.heads}/{args.kv_heads} hd {args.head_dim}: fused ({kernel}) {times['fused'] * 1e3:.1f} ms, "
+        f"explicit {times['explicit'] * 1e3:.1f} ms, {row['speedup']:.2f}x; fused vs explicit "
+        + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=1)

@@ -40,10 +40,18 @@ def hf_gpt2(model_cfg, device, dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     hf_cfg = GPT2Config(
-        vocab_size=model_cfg.vocab_size, n_positions=model_cfg.seq_len, n_embd=model_cfg.d_model,
-        n_layer=model_cfg.n_layers, n_head=model_cfg.n_heads, n_inner=model_cfg.ffn,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new",
-        bos_token_id=None, eos_token_id=None,
+        vocab_size=model_cfg.vocab_size,
+        n_positions=model_cfg.seq_len,
+        n_embd=model_cfg.d_model,
+        n_layer=model_cfg.n_layers,
+        n_head=model_cfg.n_heads,
+        n_inner=model_cfg.ffn,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        activation_function="gelu_new",
+        bos_token_id=None,
+        eos_token_id=None,
     )
     hf_cfg._attn_implementation = "sdpa"
     return GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype)
@@ -71,7 +79,6 @@ def timed(fn, steps: int, device) -> list[float]:
     return times
 
 
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help="model preset (a GPT-2-style one: HF side is GPT2LMHeadModel)")
@@ -83,13 +90,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None, help="append a JSON record to this file")
     args = ap.parse_args(argv)
-    if min(args.micro_batch, args.steps, args.blocks) < 1 or args.warmup < 0 or \
-            (args.seq_len is not None and args.seq_len < 1):
+    if (
+        min(args.micro_batch, args.steps, args.blocks) < 1
+        or args.warmup < 0
+        or (args.seq_len is not None and args.seq_len < 1)
+    ):
         ap.error("--micro-batch, --steps, --blocks and --seq-len must be >= 1, --warmup >= 0")
 
-    overrides = [f"model={args.model}", f"train.micro_batch_size={args.micro_batch}",
-                 f"train.global_batch_size={args.micro_batch}", f"train.precision={args.precision}",
-                 "model.dropout=0.0", "logging.wandb.mode=disabled"]
+    overrides = [
+        f"model={args.model}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch}",
+        f"train.precision={args.precision}",
+        "model.dropout=0.0",
+        "logging.wandb.mode=disabled",
+    ]
     if args.seq_len:
         overrides.append(f"model.seq_len={args.seq_len}")
     from omegaconf import OmegaConf
@@ -109,25 +124,34 @@ def main(argv=None) -> dict:
     engine = Engine(cfg, GPT(cfg.model), ctx)
     dtype = engine.dtype
     hf = hf_gpt2(cfg.model, device, torch.float32)
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                               weight_decay=cfg.optim.weight_decay)
+    hf_opt = torch.optim.AdamW(
+        hf.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
+    )
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
     plain = GPT(cfg.model).to(device)  # the same weights (each parameter drawn from its name and the seed)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay, fused=True)
+    plain_opt = torch.optim.AdamW(
+        plain.parameters(),
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        fused=True,
+    )
 
     seq = cfg.model.seq_len
     batch = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, seq + 1), device=device)
     clip = cfg.train.grad_clip
-    sides = {"ours": lambda: engine.train_step([batch], cfg.optim.lr, 1),
-             # HF shifts the labels itself
-             "hf": lambda: loop_step(hf, lambda: hf(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss, hf_opt,
-                                     clip, autocast),
-             "plain": lambda: loop_step(plain, lambda: plain(batch[:, :-1], batch[:, 1:]), plain_opt, clip,
-                                        autocast).item()}  # the engine's step reads its loss too
+    sides = {
+        "ours": lambda: engine.train_step([batch], cfg.optim.lr, 1),
+        # HF shifts the labels itself
+        "hf": lambda: loop_step(
+            hf, lambda: hf(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss, hf_opt, clip, autocast
+        ),
+        "plain": lambda: loop_step(plain, lambda: plain(batch[:, :-1], batch[:, 1:]), plain_opt, clip, autocast).item(),
+    }  # the engine's step reads its loss too
     times = {name: [] for name in sides}
     for step in sides.values():
         timed(step, args.warmup, device)
@@ -137,19 +161,30 @@ def main(argv=None) -> dict:
     tokens = args.micro_batch * seq
     ours_tps, hf_tps, plain_tps = (tokens / statistics.median(times[name]) for name in sides)
     record = {
-        "bench": "throughput", "model": args.model, "micro_batch": args.micro_batch, "seq_len": seq,
-        "precision": str(dtype).replace("torch.", ""), "ours_tokens_per_s": round(ours_tps, 1),
-        "hf_tokens_per_s": round(hf_tps, 1), "ratio": round(ours_tps / hf_tps, 3),
-        "plain_tokens_per_s": round(plain_tps, 1), "ratio_vs_plain": round(ours_tps / plain_tps, 3),
+        "bench": "throughput",
+        "model": args.model,
+        "micro_batch": args.micro_batch,
+        "seq_len": seq,
+        "precision": str(dtype).replace("torch.", ""),
+        "ours_tokens_per_s": round(ours_tps, 1),
+        "hf_tokens_per_s": round(hf_tps, 1),
+        "ratio": round(ours_tps / hf_tps, 3),
+        "plain_tokens_per_s": round(plain_tps, 1),
+        "ratio_vs_plain": round(ours_tps / plain_tps, 3),
         "step_ms": {name: round(1e3 * statistics.median(t), 3) for name, t in times.items()},
         "hf_side": "GPT2LMHeadModel sdpa eager" + (" + bf16 autocast" if dtype == torch.bfloat16 else ""),
-        "device": torch.cuda.get_device_name() if device.type == "cuda"
+        "device": torch.cuda.get_device_name()
+        if device.type == "cuda"
         else f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads",
-        "date": datetime.date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "torch": torch.__version__,
     }
-    print(f"{args.model} {record['precision']} b={args.micro_batch} s={seq}: ours {ours_tps:,.0f} tok/s, "
-          f"HF {hf_tps:,.0f} tok/s, ratio {record['ratio']:.3f}x; our model in a plain loop {plain_tps:,.0f} tok/s, "
-          f"ours / plain {record['ratio_vs_plain']:.3f}x (steps {record['step_ms']} ms)")
+    print(
+        f"{args.model} {record['precision']} b={args.micro_batch} s={seq}: ours {ours_tps:,.0f} tok/s, "
+        f"HF {hf_tps:,.0f} tok/s, ratio {record['ratio']:.3f}x; our model in a plain loop {plain_tps:,.0f} tok/s, "
+        f"ours / plain {record['ratio_vs_plain']:.3f}x (steps {record['step_ms']} ms)"
+    )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:

@@ -29,12 +29,15 @@ class CaseProcess:
         cmd = cmd or [sys.executable, BENCH_GPU, "--serve", *profile]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("RANK", None)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self.lines: queue.Queue = queue.Queue()  # stdout, line by line; None once it is closed
         self.stderr: list[str] = []
-        self.readers = [threading.Thread(target=self._read_stdout, daemon=True),
-                        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True)]
+        self.readers = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True),
+        ]
         for reader in self.readers:
             reader.start()
 
@@ -77,7 +80,7 @@ class CaseProcess:
         except BrokenPipeError:
             pass
 
-    def run(self, spec: str, timeout: float, after: "CaseProcess | None") -> tuple[str | None, str]:
+    def run(self, spec: str, timeout: float, after: CaseProcess | None) -> tuple[str | None, str]:
         """Run case `spec`; hold its timed steps until `after` (the next case's process) has started up. Returns
         the CASE line (None if it failed or was stopped) and, when there is none, why."""
         deadline = time.time() + timeout

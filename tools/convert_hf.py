@@ -53,6 +53,7 @@ def _refuse(what: str, value, fix: str):
 
 # --- configs -------------------------------------------------------------------------------------------------
 
+
 def _rope_theta(hf) -> float:
     """RoPE base. transformers 5 moves rope_theta into `rope_parameters` (aliased as `rope_scaling`, with
     rope_type='default' for plain RoPE); 4.x keeps `rope_theta` on the config and scaling under `type`."""
@@ -71,42 +72,79 @@ def hf_config_to_model_config(hf_config) -> ModelConfig:
         if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             _refuse("GPT-2 activation_function", hf.activation_function, "use gelu_new (tanh GeLU)")
         if not hf.scale_attn_weights or hf.scale_attn_by_inverse_layer_idx or hf.add_cross_attention:
-            _refuse("GPT-2 scale_attn_weights/scale_attn_by_inverse_layer_idx/add_cross_attention",
-                    f"{hf.scale_attn_weights}/{hf.scale_attn_by_inverse_layer_idx}/{hf.add_cross_attention}",
-                    "only plain causal GPT-2 attention (True/False/False) converts")
+            _refuse(
+                "GPT-2 scale_attn_weights/scale_attn_by_inverse_layer_idx/add_cross_attention",
+                f"{hf.scale_attn_weights}/{hf.scale_attn_by_inverse_layer_idx}/{hf.add_cross_attention}",
+                "only plain causal GPT-2 attention (True/False/False) converts",
+            )
         drops = {hf.attn_pdrop, hf.resid_pdrop, hf.embd_pdrop}
         if len(drops) > 1:  # our model.dropout is all three
-            _refuse("GPT-2 attn_pdrop/resid_pdrop/embd_pdrop", f"{hf.attn_pdrop}/{hf.resid_pdrop}/{hf.embd_pdrop}",
-                    "our model has one dropout for attention, residual branches and embeddings: set the three equal "
-                    "in config.json")
+            _refuse(
+                "GPT-2 attn_pdrop/resid_pdrop/embd_pdrop",
+                f"{hf.attn_pdrop}/{hf.resid_pdrop}/{hf.embd_pdrop}",
+                "our model has one dropout for attention, residual branches and embeddings: set the three equal "
+                "in config.json",
+            )
         return ModelConfig(
-            name="hf-gpt2", n_layers=hf.n_layer, n_heads=hf.n_head, d_model=hf.n_embd,
-            ffn_hidden=hf.n_inner or 4 * hf.n_embd, vocab_size=hf.vocab_size, seq_len=hf.n_positions,
-            norm="layernorm", norm_eps=hf.layer_norm_epsilon, activation="gelu", position="learned",
-            tie_embeddings=bool(hf.tie_word_embeddings), bias=True, dropout=float(drops.pop()),
+            name="hf-gpt2",
+            n_layers=hf.n_layer,
+            n_heads=hf.n_head,
+            d_model=hf.n_embd,
+            ffn_hidden=hf.n_inner or 4 * hf.n_embd,
+            vocab_size=hf.vocab_size,
+            seq_len=hf.n_positions,
+            norm="layernorm",
+            norm_eps=hf.layer_norm_epsilon,
+            activation="gelu",
+            position="learned",
+            tie_embeddings=bool(hf.tie_word_embeddings),
+            bias=True,
+            dropout=float(drops.pop()),
         )
     if hf.model_type == "llama":
         theta = _rope_theta(hf)
         attn_bias, mlp_bias = bool(hf.attention_bias), bool(getattr(hf, "mlp_bias", False))
         if attn_bias != mlp_bias:  # our one `bias` flag covers attention and MLP linears together
-            _refuse("Llama attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}",
-                    "our model has biases on all linears or none, so both must be equal")
+            _refuse(
+                "Llama attention_bias/mlp_bias",
+                f"{attn_bias}/{mlp_bias}",
+                "our model has biases on all linears or none, so both must be equal",
+            )
         if hf.hidden_act != "silu":
             _refuse("Llama hidden_act", hf.hidden_act, "only silu (SwiGLU) converts")
         if getattr(hf, "attention_dropout", 0.0):
-            _refuse("Llama attention_dropout", hf.attention_dropout, "our model.dropout also drops on the residual "
-                    "branches and embeddings, which Llama does not: set it to 0.0 in config.json (and train with "
-                    "model.dropout as you choose)")
+            _refuse(
+                "Llama attention_dropout",
+                hf.attention_dropout,
+                "our model.dropout also drops on the residual "
+                "branches and embeddings, which Llama does not: set it to 0.0 in config.json (and train with "
+                "model.dropout as you choose)",
+            )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         if head_dim * hf.num_attention_heads != hf.hidden_size:
-            _refuse("Llama head_dim", head_dim, f"our heads split hidden_size={hf.hidden_size} evenly "
-                    f"(head_dim {hf.hidden_size // hf.num_attention_heads})")
+            _refuse(
+                "Llama head_dim",
+                head_dim,
+                f"our heads split hidden_size={hf.hidden_size} evenly "
+                f"(head_dim {hf.hidden_size // hf.num_attention_heads})",
+            )
         return ModelConfig(
-            name="hf-llama", n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
-            n_kv_heads=hf.num_key_value_heads, d_model=hf.hidden_size, ffn_hidden=hf.intermediate_size,
-            vocab_size=hf.vocab_size, seq_len=hf.max_position_embeddings, norm="rmsnorm",
-            norm_eps=hf.rms_norm_eps, activation="swiglu", position="rope", rope_theta=theta,
-            tie_embeddings=bool(hf.tie_word_embeddings), bias=attn_bias, dropout=0.0,
+            name="hf-llama",
+            n_layers=hf.num_hidden_layers,
+            n_heads=hf.num_attention_heads,
+            n_kv_heads=hf.num_key_value_heads,
+            d_model=hf.hidden_size,
+            ffn_hidden=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            seq_len=hf.max_position_embeddings,
+            norm="rmsnorm",
+            norm_eps=hf.rms_norm_eps,
+            activation="swiglu",
+            position="rope",
+            rope_theta=theta,
+            tie_embeddings=bool(hf.tie_word_embeddings),
+            bias=attn_bias,
+            dropout=0.0,
         )
     _refuse("model_type", hf.model_type, "use a GPT-2 (GPT2LMHeadModel) or Llama (LlamaForCausalLM) model")
 
@@ -120,31 +158,64 @@ def _hf_config(cfg: ModelConfig, flavour: str, special: dict | None = None):
 
     if flavour == "gpt2":
         if not (cfg.norm == "layernorm" and cfg.activation == "gelu" and cfg.bias and cfg.kv_heads == cfg.n_heads):
-            instead = "export as llama instead" if cfg.position == "rope" else \
-                "Llama needs RoPE, so no transformers class holds this learned-position model"
-            _refuse("GPT-2 export of norm/activation/bias/n_kv_heads",
-                    f"{cfg.norm}/{cfg.activation}/{cfg.bias}/{cfg.kv_heads}",
-                    f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; {instead}")
-        return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
-                          n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn, activation_function="gelu_new",
-                          layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                          attn_pdrop=cfg.dropout,
-                          tie_word_embeddings=cfg.tie_embeddings, **special)
+            instead = (
+                "export as llama instead"
+                if cfg.position == "rope"
+                else "Llama needs RoPE, so no transformers class holds this learned-position model"
+            )
+            _refuse(
+                "GPT-2 export of norm/activation/bias/n_kv_heads",
+                f"{cfg.norm}/{cfg.activation}/{cfg.bias}/{cfg.kv_heads}",
+                f"GPT-2 needs layernorm/gelu/True/{cfg.n_heads}; {instead}",
+            )
+        return GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.seq_len,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_inner=cfg.ffn,
+            activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            tie_word_embeddings=cfg.tie_embeddings,
+            **special,
+        )
     if not (cfg.norm == "rmsnorm" and cfg.activation == "swiglu" and cfg.position == "rope"):
-        _refuse("Llama export of norm/activation/position", f"{cfg.norm}/{cfg.activation}/{cfg.position}",
-                "Llama needs rmsnorm/swiglu/rope; export a learned-position model as gpt2")
+        _refuse(
+            "Llama export of norm/activation/position",
+            f"{cfg.norm}/{cfg.activation}/{cfg.position}",
+            "Llama needs rmsnorm/swiglu/rope; export a learned-position model as gpt2",
+        )
     if cfg.dropout:  # the weights and logits are the same; only training from the export would differ
-        print(f"convert_hf: model.dropout={cfg.dropout} is exported as Llama's attention_dropout only (Llama has no "
-              "residual or embedding dropout)", file=sys.stderr)
-    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn,
-                       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                       num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
-                       rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                       attention_bias=cfg.bias, mlp_bias=cfg.bias, tie_word_embeddings=cfg.tie_embeddings,
-                       hidden_act="silu", attention_dropout=cfg.dropout, **special)
+        print(
+            f"convert_hf: model.dropout={cfg.dropout} is exported as Llama's attention_dropout only (Llama has no "
+            "residual or embedding dropout)",
+            file=sys.stderr,
+        )
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu",
+        attention_dropout=cfg.dropout,
+        **special,
+    )
 
 
 # --- name tables -----------------------------------------------------------------------------------------------
+
 
 def _table(cfg: ModelConfig, flavour: str):
     """(our name, HF names concatenated along dim 0 into it, HF stores it transposed?) for every weight
@@ -154,9 +225,14 @@ def _table(cfg: ModelConfig, flavour: str):
         yield "wpe.weight", ("transformer.wpe.weight",), False
         for i in range(cfg.n_layers):
             o, h = f"blocks.{i}.", f"transformer.h.{i}."
-            for ours, theirs, conv1d in (("norm1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
-                                         ("attn.proj", "attn.c_proj", True), ("norm2", "ln_2", False),
-                                         ("mlp.fc_in", "mlp.c_fc", True), ("mlp.fc_out", "mlp.c_proj", True)):
+            for ours, theirs, conv1d in (
+                ("norm1", "ln_1", False),
+                ("attn.qkv", "attn.c_attn", True),
+                ("attn.proj", "attn.c_proj", True),
+                ("norm2", "ln_2", False),
+                ("mlp.fc_in", "mlp.c_fc", True),
+                ("mlp.fc_out", "mlp.c_proj", True),
+            ):
                 for kind in kinds:  # Conv1D stores its weight (in, out); biases are plain vectors
                     yield f"{o}{ours}.{kind}", (f"{h}{theirs}.{kind}",), conv1d and kind == "weight"
         for kind in kinds:
@@ -185,6 +261,7 @@ def _flavour_of(cfg: ModelConfig) -> str:
 
 # --- state dicts -----------------------------------------------------------------------------------------------
 
+
 def hf_to_ours(hf_state_dict: dict, hf_config) -> tuple[ModelConfig, dict]:
     """(our ModelConfig, fp32 state dict that `GPT(cfg).load_state_dict(sd)` takes strictly)."""
     cfg = hf_config_to_model_config(hf_config)
@@ -198,13 +275,17 @@ def hf_to_ours(hf_state_dict: dict, hf_config) -> tuple[ModelConfig, dict]:
         wanted[ours], transposed[ours] = theirs, t
     missing = [n for names in wanted.values() for n in names if n not in sd]
     if missing:
-        raise ConversionError(f"HF state dict lacks {missing[:3]} ({len(missing)} in all) that its config "
-                              "implies; is the config the one these weights were saved with?")
+        raise ConversionError(
+            f"HF state dict lacks {missing[:3]} ({len(missing)} in all) that its config "
+            "implies; is the config the one these weights were saved with?"
+        )
     used = {n for names in wanted.values() for n in names} | {vocab["lm_head.weight"]}  # tied head: a copy
     extra = [k for k in sd if k not in used and not k.endswith(_HF_BUFFERS)]
     if extra:
-        raise ConversionError(f"HF weights {extra[:3]} ({len(extra)} in all) have no place in our model; "
-                              "only plain GPT-2 / Llama causal LMs convert")
+        raise ConversionError(
+            f"HF weights {extra[:3]} ({len(extra)} in all) have no place in our model; "
+            "only plain GPT-2 / Llama causal LMs convert"
+        )
     out = {}
     for ours, theirs in wanted.items():
         w = torch.cat([sd[n] for n in theirs]) if len(theirs) > 1 else sd[theirs[0]]
@@ -215,8 +296,9 @@ def hf_to_ours(hf_state_dict: dict, hf_config) -> tuple[ModelConfig, dict]:
     return cfg, {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in out.items()}
 
 
-def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None = None,
-               special: dict | None = None) -> tuple[object, dict]:
+def ours_to_hf(
+    model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None = None, special: dict | None = None
+) -> tuple[object, dict]:
     """(HF config, HF state dict) for our weights; flavour gpt2 or llama, by default gpt2 for learned positions;
     special: the bos/eos/pad token ids to record (special_tokens)."""
     cfg, sd = model_cfg, our_state_dict
@@ -238,6 +320,7 @@ def ours_to_hf(model_cfg: ModelConfig, our_state_dict: dict, flavour: str | None
 
 
 # --- command line --------------------------------------------------------------------------------------------
+
 
 def special_tokens(meta: dict) -> dict:
     """bos/eos/pad ids of a checkpoint's tokenizer: those an import recorded; for a trained checkpoint, the end of
@@ -274,11 +357,16 @@ def import_hf(hf_dir: str, ckpt_dir: str) -> str:
 
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"{hf_dir} is not a directory; pass a local HF model directory (no hub downloads)")
-    held = sorted(n for n in os.listdir(ckpt_dir) if n == LATEST or n.startswith("step_")) \
-        if os.path.isdir(ckpt_dir) else []
+    held = (
+        sorted(n for n in os.listdir(ckpt_dir) if n == LATEST or n.startswith("step_"))
+        if os.path.isdir(ckpt_dir)
+        else []
+    )
     if held:  # the import commits step 0 and moves `latest` to it: a run there would start over its checkpoints
-        raise ConversionError(f"checkpoint_dir={ckpt_dir} already holds checkpoints ({', '.join(held[:3])}); import "
-                              "into a new or empty directory and train with checkpoint.dir set to it")
+        raise ConversionError(
+            f"checkpoint_dir={ckpt_dir} already holds checkpoints ({', '.join(held[:3])}); import "
+            "into a new or empty directory and train with checkpoint.dir set to it"
+        )
     hf_config_to_model_config(AutoConfig.from_pretrained(hf_dir, local_files_only=True))  # refuse before loading
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
     cfg, sd = hf_to_ours(model.state_dict(), model.config)
@@ -289,8 +377,11 @@ def import_hf(hf_dir: str, ckpt_dir: str) -> str:
 def model_overrides(cfg: ModelConfig) -> str:
     """The model.* overrides that train a checkpoint of this shape: every field that differs from the defaults."""
     default = ModelConfig()
-    return " ".join(f"model.{f.name}={override_value(getattr(cfg, f.name))}" for f in fields(cfg)
-                    if getattr(cfg, f.name) != getattr(default, f.name))
+    return " ".join(
+        f"model.{f.name}={override_value(getattr(cfg, f.name))}"
+        for f in fields(cfg)
+        if getattr(cfg, f.name) != getattr(default, f.name)
+    )
 
 
 def export_hf(ckpt_path: str, hf_dir: str, flavour: str | None = None) -> None:
@@ -326,10 +417,14 @@ def main(argv=None) -> None:
             path = import_hf(args.hf_dir, args.checkpoint_dir)
             shape = model_overrides(ModelConfig(**read_meta(path)["model"]))
             run_dir = os.path.join("runs", os.path.basename(os.path.normpath(args.checkpoint_dir)))  # its own metrics
-            print(f"wrote {path}; train from it with: python train.py checkpoint.dir={args.checkpoint_dir} "
-                  f"run.dir={run_dir} {shape}")
+            print(
+                f"wrote {path}; train from it with: python train.py checkpoint.dir={args.checkpoint_dir} "
+                f"run.dir={run_dir} {shape}"
+            )
         else:
-            if os.path.exists(args.hf_dir) and not os.path.isdir(args.hf_dir):  # transformers only warns, writes nothing
+            if os.path.exists(args.hf_dir) and not os.path.isdir(
+                args.hf_dir
+            ):  # transformers only warns, writes nothing
                 sys.exit(f"convert_hf: {args.hf_dir} is a file; give a directory to write the HF model to")
             export_hf(args.checkpoint_path, args.hf_dir, args.flavour)
             print(f"wrote {args.hf_dir}")

@@ -66,21 +66,42 @@ def resolve(torch_version: str) -> list[tuple[str, str]]:
         held, report = os.path.join(tmp, "held.txt"), os.path.join(tmp, "report.json")
         with open(held, "w") as f:
             f.write(f"torch=={torch_version}\n")
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--report", report, "-c", held, "-e", f"{ROOT}[dev]", *INSTALL_TOOLS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            report,
+            "-c",
+            held,
+            "-e",
+            f"{ROOT}[dev]",
+            *INSTALL_TOOLS,
+        ]
         got = subprocess.run(cmd, capture_output=True, text=True)
         if got.returncode != 0:
             raise SystemExit(f"lock: pip could not resolve megatron_lite[dev]:\n{got.stderr.strip()[-3000:]}")
         with open(report) as f:
             installs = json.load(f)["install"]
-    return sorted(((item["metadata"]["name"], item["metadata"]["version"].split("+")[0])
-                   for item in installs if not item.get("is_direct")), key=lambda nv: canonical(nv[0]))
+    return sorted(
+        (
+            (item["metadata"]["name"], item["metadata"]["version"].split("+")[0])
+            for item in installs
+            if not item.get("is_direct")
+        ),
+        key=lambda nv: canonical(nv[0]),
+    )
 
 
 def write(torch_version: str) -> None:
     pins = resolve(torch_version)
-    pip_version = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True,
-                                 text=True).stdout.split()[1]
+    pip_version = subprocess.run(
+        [sys.executable, "-m", "pip", "--version"], capture_output=True, text=True
+    ).stdout.split()[1]
     header = [
         "# Every package `make install` installs, at the version it installs: written by `make lock` (tools/lock.py)",
         "# from pip's resolver report, never by hand. megatron_lite[dev] + setuptools and packaging, resolved on",
@@ -112,7 +133,9 @@ def constraints(out: str) -> None:
     try:
         have = metadata.version("torch")
     except metadata.PackageNotFoundError:
-        raise SystemExit("lock: no torch is installed; the Makefile installs the lock's torch first (`make install`)")
+        raise SystemExit(
+            "lock: no torch is installed; the Makefile installs the lock's torch first (`make install`)"
+        ) from None
     pins.pop("torch", None)
     for req in requirements("torch"):
         name = canonical(req.name)
@@ -137,11 +160,16 @@ def check(path: str) -> int:
         if Version(have) != Version(version):
             wrong.append(f"{name} {have} (locked: {version})")
     if missing:
-        print(f"lock: not installed, though locked (not needed on Python {platform.python_version()} here?): "
-              f"{', '.join(missing)}")
+        print(
+            f"lock: not installed, though locked (not needed on Python {platform.python_version()} here?): "
+            f"{', '.join(missing)}"
+        )
     if wrong:
-        print(f"lock: installed at another version than the lock's: {'; '.join(wrong)}. Reinstall with "
-              "`rm -r .venv && make install`, or install without the lock (README, Installing)", file=sys.stderr)
+        print(
+            f"lock: installed at another version than the lock's: {'; '.join(wrong)}. Reinstall with "
+            "`rm -r .venv && make install`, or install without the lock (README, Installing)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

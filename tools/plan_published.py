@@ -22,21 +22,28 @@ def main(argv=None) -> None:
     from megatron_lite.plan.published import KORTHIKANTI_2022, NARAYANAN_2021, row
     from tools.commit import git_commit
 
-    lines = ["# Planner vs published Megatron-LM throughput (tools/plan_published.py)", "",
-             f"- Date {datetime.date.today().isoformat()}, commit `{git_commit()}`; cluster.achievable = 0.65; "
-             "A100-80GB, 8 per node, NVLink 300 GB/s, 8 x 200 Gb/s HDR per node.",
-             "- predicted: the paper's layout priced as the paper's system ran it, in the paper's convention "
-             "(TFLOP/s per GPU for Narayanan 2021, MFU for Korthikanti 2022). ours at theirs / picked: the step "
-             "time megatron_lite is predicted to take at the paper's layout and at the layout the planner picks "
-             "(`train.py --plan`).", "",
-             "| source | model | GPUs | their layout | published | predicted | error | ours at theirs s | picked layout "
-             "| picked s | picked GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Planner vs published Megatron-LM throughput (tools/plan_published.py)",
+        "",
+        f"- Date {datetime.date.today().isoformat()}, commit `{git_commit()}`; cluster.achievable = 0.65; "
+        "A100-80GB, 8 per node, NVLink 300 GB/s, 8 x 200 Gb/s HDR per node.",
+        "- predicted: the paper's layout priced as the paper's system ran it, in the paper's convention "
+        "(TFLOP/s per GPU for Narayanan 2021, MFU for Korthikanti 2022). ours at theirs / picked: the step "
+        "time megatron_lite is predicted to take at the paper's layout and at the layout the planner picks "
+        "(`train.py --plan`).",
+        "",
+        "| source | model | GPUs | their layout | published | predicted | error | ours at theirs s | picked layout "
+        "| picked s | picked GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in NARAYANAN_2021 + KORTHIKANTI_2022:
         r = row(run)
         fmt = (lambda v: f"{v:.0f}") if run.recompute == "full" else (lambda v: f"{100 * v:.1f}%")
-        lines.append(f"| {r['source']} | {r['model']} | {r['gpus']:,} | `{r['layout']}` | {fmt(r['published'])} | "
-                     f"{fmt(r['predicted'])} | {100 * r['error']:+.1f}% | {r['ours_at_theirs_s']:.2f} | "
-                     f"`{r['picked']}` | {r['picked_s']:.2f} | {r['picked_gib']:.1f} |")
+        lines.append(
+            f"| {r['source']} | {r['model']} | {r['gpus']:,} | `{r['layout']}` | {fmt(r['published'])} | "
+            f"{fmt(r['predicted'])} | {100 * r['error']:+.1f}% | {r['ours_at_theirs_s']:.2f} | "
+            f"`{r['picked']}` | {r['picked_s']:.2f} | {r['picked_gib']:.1f} |"
+        )
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

@@ -30,8 +30,13 @@ import weakref
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-BASE = ["logging.wandb.mode=disabled", "checkpoint.resume=never", "train.precision=fp32", "train.micro_batch_size=4",
-        "train.global_batch_size=8"]
+BASE = [
+    "logging.wandb.mode=disabled",
+    "checkpoint.resume=never",
+    "train.precision=fp32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+]
 LLAMA = "model=llama-tiny"
 # (ranks, overrides): every axis, ZeRO 0-3, recompute modes, vpp, cp ring and Ulysses, offload, both flavours, bf16.
 # ZeRO-3 layouts come last in each world: DeepSpeed's zero.Init replaces torch.nn.functional.linear for the rest of
@@ -64,8 +69,17 @@ LAYOUTS: list[tuple[int, list[str]]] = [
     (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", LLAMA, "zero.stage=1", "train.recompute=full"]),
     (4, ["parallel.pp=2", "parallel.schedule=gpipe", "zero.stage=2", "train.global_batch_size=16"]),
     (4, ["parallel.cp=2", "zero.stage=2", "model.dropout=0.1"]),
-    (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2", "zero.stage=1", "train.global_batch_size=16",
-         "train.recompute=selective"]),
+    (
+        4,
+        [
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.tp=2",
+            "zero.stage=1",
+            "train.global_batch_size=16",
+            "train.recompute=selective",
+        ],
+    ),
     (4, ["parallel.tp=2", "parallel.cp=2", "zero.stage=3"]),
 ]
 
@@ -96,7 +110,9 @@ class SavedBytes:
         key = id(storage)
         if key in self._refs or isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
             return t
-        if storage.data_ptr() in {q.untyped_storage().data_ptr() for q in (*self.model.parameters(), *self.model.buffers())}:
+        if storage.data_ptr() in {
+            q.untyped_storage().data_ptr() for q in (*self.model.parameters(), *self.model.buffers())
+        }:
             return t
         size = storage.nbytes()
         self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._free(key, size))
@@ -116,8 +132,8 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
 
     from megatron_lite.cli import load
     from megatron_lite.data.sampler import MicroBatches, open_streams
-    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.engine import Engine
+    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.memory import LiveTensorBytes
     from megatron_lite.model.build import build_model, zero3_partitioner
     from megatron_lite.parallel.context import ParallelContext
@@ -136,18 +152,28 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
         model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         engine = Engine(cfg, model, ctx)
         stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
-        batches = MicroBatches(stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
+        batches = MicroBatches(
+            stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size
+        )
         for step in (1, 2):
             engine.train_step(batches.next_step(), 1e-3, step)
         live = tracker.storages()
         params = _storages([*model.parameters(), *(getattr(q, "ds_tensor", None) for q in model.parameters())])
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-        optimizer = _storages([*(q for g in inner.param_groups for q in g["params"]),
-                               *(v for state in inner.state.values() for v in state.values()),
-                               *getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])])  # ZeRO-3's master
-        record = {"rank": dist.get_rank(), "pp_rank": ctx.pp_rank, "boundary": tracker.live,
-                  "params": sum(n for ptr, n in live.items() if ptr in params),
-                  "optimizer": sum(n for ptr, n in live.items() if ptr in optimizer and ptr not in params)}
+        optimizer = _storages(
+            [
+                *(q for g in inner.param_groups for q in g["params"]),
+                *(v for state in inner.state.values() for v in state.values()),
+                *getattr(engine.optimizer, "fp32_partitioned_groups_flat", []),
+            ]
+        )  # ZeRO-3's master
+        record = {
+            "rank": dist.get_rank(),
+            "pp_rank": ctx.pp_rank,
+            "boundary": tracker.live,
+            "params": sum(n for ptr, n in live.items() if ptr in params),
+            "optimizer": sum(n for ptr, n in live.items() if ptr in optimizer and ptr not in params),
+        }
         record["rest"] = record["boundary"] - record["params"] - record["optimizer"]
         saved = SavedBytes(model)
         tracker.reset_peak()
@@ -190,8 +216,16 @@ def measure(nproc: int, runs: list[list[str]], scratch: str, env: dict | None = 
     out = spec.replace(".json", ".out.json")
     with open(spec, "w") as f:
         json.dump({"runs": [BASE + r for r in runs], "out": out}, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           __file__, "--worker", spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        __file__,
+        "--worker",
+        spec,
+    ]
     base_env = torchrun_env(ROOT)
     proc = subprocess.run(cmd, env={**base_env, **(env or {})}, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -215,11 +249,23 @@ def compare(result: dict, nproc: int) -> list[dict]:
         measured = [r for r in result["ranks"] if r["pp_rank"] == stage]
         worst = {key: max(r[key] for r in measured) for key in ("params", "optimizer", "rest", "activations", "peak")}
         pred = rank_memory(cfg.model, lay, stage, resolve_precision(cfg), cuda=False)
-        predicted = {"params": pred.params + pred.host_params, "optimizer": pred.optimizer + pred.host_optimizer,
-                     "rest": pred.grads + pred.buffers + pred.host - pred.host_optimizer - pred.host_params,
-                     "activations": pred.held, "peak": pred.peak + pred.host}
-        rows.append({"layout": " ".join(o for o in result["overrides"] if o not in BASE), "ranks": nproc,
-                     "pp_rank": stage, "phase": pred.phase, "measured": worst, "predicted": predicted})
+        predicted = {
+            "params": pred.params + pred.host_params,
+            "optimizer": pred.optimizer + pred.host_optimizer,
+            "rest": pred.grads + pred.buffers + pred.host - pred.host_optimizer - pred.host_params,
+            "activations": pred.held,
+            "peak": pred.peak + pred.host,
+        }
+        rows.append(
+            {
+                "layout": " ".join(o for o in result["overrides"] if o not in BASE),
+                "ranks": nproc,
+                "pp_rank": stage,
+                "phase": pred.phase,
+                "measured": worst,
+                "predicted": predicted,
+            }
+        )
     return rows
 
 
@@ -229,36 +275,60 @@ def bubble_rows(path: str = os.path.join(ROOT, "bench", "results", "pipeline_cpu
 
     with open(path) as f:
         bench = json.load(f)
-    return [{"schedule": r["schedule"], "pp": bench["pp"], "vpp": r["vpp"], "m": r["m"], "measured": r["measured"],
-             "predicted": schedule_bubble(r["schedule"], bench["pp"], r["vpp"], r["m"])} for r in bench["rows"]]
+    return [
+        {
+            "schedule": r["schedule"],
+            "pp": bench["pp"],
+            "vpp": r["vpp"],
+            "m": r["m"],
+            "measured": r["measured"],
+            "predicted": schedule_bubble(r["schedule"], bench["pp"], r["vpp"], r["m"]),
+        }
+        for r in bench["rows"]
+    ]
 
 
 def markdown(rows: list[dict], bubbles: list[dict], commit: str) -> str:
     def pct(p, m):
         return f"{100 * (p / m - 1):+.1f}%" if m else "n/a"
 
-    lines = ["# Planner memory model vs measured memory, CPU (tools/plan_validation.py)", "",
-             f"- Date {datetime.date.today().isoformat()}, commit `{commit}`, CPU (2 cores), gloo, tiny presets "
-             "(micro-batch 4, global batch 8 unless the layout says), fp32 unless it says bf16.",
-             "- Bytes per rank of step 3; each pipeline stage's fullest rank. states = parameters + optimizer + rest "
-             "(gradient buffers, buckets, scalars): predicted vs measured difference in bytes; activations = most "
-             "bytes autograd keeps at once; peak = live tensor bytes at the step's peak.", "",
-             "| # | ranks | layout | pp rank | states (measured) | states off by | activations meas / pred | peak meas "
-             "/ pred | peak at |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Planner memory model vs measured memory, CPU (tools/plan_validation.py)",
+        "",
+        f"- Date {datetime.date.today().isoformat()}, commit `{commit}`, CPU (2 cores), gloo, tiny presets "
+        "(micro-batch 4, global batch 8 unless the layout says), fp32 unless it says bf16.",
+        "- Bytes per rank of step 3; each pipeline stage's fullest rank. states = parameters + optimizer + rest "
+        "(gradient buffers, buckets, scalars): predicted vs measured difference in bytes; activations = most "
+        "bytes autograd keeps at once; peak = live tensor bytes at the step's peak.",
+        "",
+        "| # | ranks | layout | pp rank | states (measured) | states off by | activations meas / pred | peak meas "
+        "/ pred | peak at |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(rows, 1):
         m, p = r["measured"], r["predicted"]
         states_m = m["params"] + m["optimizer"] + m["rest"]
         states_p = p["params"] + p["optimizer"] + p["rest"]
-        lines.append(f"| {i} | {r['ranks']} | `{r['layout']}` | {r['pp_rank']} | {states_m:,} | {states_p - states_m:+,} B "
-                     f"| {m['activations'] / 2**20:.2f} / {p['activations'] / 2**20:.2f} MiB "
-                     f"({pct(p['activations'], m['activations'])}) | {m['peak'] / 2**20:.1f} / {p['peak'] / 2**20:.1f} "
-                     f"MiB ({pct(p['peak'], m['peak'])}) | {r['phase']} |")
-    lines += ["", "## Pipeline bubble: the planner's (the schedule simulator's) vs measured by tools/bench_pipeline.py",
-              "", "(stand-in chunks of equal cost, pp = 4; bench/results/pipeline_cpu.json)", "",
-              "| schedule | vpp | m | measured | predicted | predicted / measured |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {i} | {r['ranks']} | `{r['layout']}` | {r['pp_rank']} | {states_m:,} | {states_p - states_m:+,} B "
+            f"| {m['activations'] / 2**20:.2f} / {p['activations'] / 2**20:.2f} MiB "
+            f"({pct(p['activations'], m['activations'])}) | {m['peak'] / 2**20:.1f} / {p['peak'] / 2**20:.1f} "
+            f"MiB ({pct(p['peak'], m['peak'])}) | {r['phase']} |"
+        )
+    lines += [
+        "",
+        "## Pipeline bubble: the planner's (the schedule simulator's) vs measured by tools/bench_pipeline.py",
+        "",
+        "(stand-in chunks of equal cost, pp = 4; bench/results/pipeline_cpu.json)",
+        "",
+        "| schedule | vpp | m | measured | predicted | predicted / measured |",
+        "|---|---|---|---|---|---|",
+    ]
     for b in bubbles:
-        lines.append(f"| {b['schedule']} | {b['vpp']} | {b['m']} | {b['measured']:.3f} | {b['predicted']:.3f} | "
-                     f"{b['predicted'] / b['measured']:.3f} |")
+        lines.append(
+            f"| {b['schedule']} | {b['vpp']} | {b['m']} | {b['measured']:.3f} | {b['predicted']:.3f} | "
+            f"{b['predicted'] / b['measured']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -65,8 +65,11 @@ def _supported(path: str) -> bool:
 def _prepared(directory: str) -> bool:
     """Whether a directory is (or is being written as) this tool's output: not documents to read."""
     name = os.path.basename(directory)
-    return name.startswith((".prepare_", ".prepare_old_")) or \
-        os.path.isfile(os.path.join(directory, "meta.json")) and os.path.isfile(os.path.join(directory, "train.bin"))
+    return (
+        name.startswith((".prepare_", ".prepare_old_"))
+        or os.path.isfile(os.path.join(directory, "meta.json"))
+        and os.path.isfile(os.path.join(directory, "train.bin"))
+    )
 
 
 def collect_files(inputs: list[str], tool: str = "prepare_data") -> dict[str, list[str]]:
@@ -76,10 +79,13 @@ def collect_files(inputs: list[str], tool: str = "prepare_data") -> dict[str, li
         item = _resolve(item)
         if not os.path.exists(item):
             raise SystemExit(f"{tool}: --input {item} does not exist")
-        if os.path.isdir(item) and all(os.path.isfile(os.path.join(item, f)) for f in ("state.json",
-                                                                                         "dataset_info.json")):
-            raise SystemExit(f"{tool}: --input {item} is a datasets.save_to_disk directory, which is not read "
-                             "here; write it out with ds.to_json('docs.jsonl') or ds.to_parquet('docs.parquet')")
+        if os.path.isdir(item) and all(
+            os.path.isfile(os.path.join(item, f)) for f in ("state.json", "dataset_info.json")
+        ):
+            raise SystemExit(
+                f"{tool}: --input {item} is a datasets.save_to_disk directory, which is not read "
+                "here; write it out with ds.to_json('docs.jsonl') or ds.to_parquet('docs.parquet')"
+            )
         if os.path.isdir(item):
             found = []
             for d, dirs, fs in os.walk(item):  # prepared data (a previous --out inside the input) is skipped
@@ -87,8 +93,11 @@ def collect_files(inputs: list[str], tool: str = "prepare_data") -> dict[str, li
                 found += [os.path.join(d, f) for f in sorted(fs)]
             files = [f for f in found if _supported(f)]
             if skipped := [os.path.relpath(f, item) for f in found if not _supported(f)]:
-                print(f"{tool}: skipping {len(skipped)} file(s) of other types in {item}: "
-                      f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
+                print(
+                    f"{tool}: skipping {len(skipped)} file(s) of other types in {item}: "
+                    f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}",
+                    file=sys.stderr,
+                )
             if not files:
                 raise SystemExit(f"{tool}: --input {item} holds no .txt, .json, .jsonl or .parquet files")
         else:
@@ -120,9 +129,11 @@ def _unreadable(datasets, builder: str, files: list[str], err: Exception, cache_
             break
     cause = _innermost(err)
     first = (str(cause).strip().splitlines() or [""])[0][:200]
-    return SystemExit(f"{tool}: {', '.join(files[:3])} could not be read as {builder} "
-                      f"({type(cause).__name__}{': ' + first if first else ''}); check the file's format"
-                      + (" (text is read as UTF-8)" if isinstance(cause, UnicodeDecodeError) else ""))
+    return SystemExit(
+        f"{tool}: {', '.join(files[:3])} could not be read as {builder} "
+        f"({type(cause).__name__}{': ' + first if first else ''}); check the file's format"
+        + (" (text is read as UTF-8)" if isinstance(cause, UnicodeDecodeError) else "")
+    )
 
 
 def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str, tool: str = "prepare_data"):
@@ -150,14 +161,18 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str, 
                 raise _unreadable(datasets, builder, files, err, cache_dir, tool) from None
             key = "text" if builder == "text" else text_key
             if key not in ds.column_names:
-                raise SystemExit(f"{tool}: --text-key {key} is not a field of {files[0]} "
-                                 f"(fields: {', '.join(ds.column_names)})")
+                raise SystemExit(
+                    f"{tool}: --text-key {key} is not a field of {files[0]} (fields: {', '.join(ds.column_names)})"
+                )
             kind = ds.features[key]
             if not (isinstance(kind, datasets.Value) and kind.dtype in ("string", "large_string")):
-                raise SystemExit(f"{tool}: --text-key {key} of {', '.join(files[:3])} holds {kind}, not text; "
-                                 "give the field that holds each document's text as a string")
-            parts.append(ds.select_columns([key]).rename_column(key, "text") if key != "text"
-                         else ds.select_columns(["text"]))
+                raise SystemExit(
+                    f"{tool}: --text-key {key} of {', '.join(files[:3])} holds {kind}, not text; "
+                    "give the field that holds each document's text as a string"
+                )
+            parts.append(
+                ds.select_columns([key]).rename_column(key, "text") if key != "text" else ds.select_columns(["text"])
+            )
     finally:
         datasets.config.HF_HUB_OFFLINE = was_offline
     if not parts:
@@ -168,8 +183,10 @@ def load_documents(groups: dict[str, list[str]], text_key: str, cache_dir: str, 
     # a record with the field null or absent (null in the column) or "" has no text: not a document
     empty = pc.fill_null(pc.equal(pc.binary_length(docs.data.column("text")), 0), True).to_numpy(zero_copy_only=False)
     if empty.any():
-        print(f"{tool}: skipping {int(empty.sum())} record(s) without text in {text_key!r} (null, missing or "
-              "empty)", file=sys.stderr)
+        print(
+            f"{tool}: skipping {int(empty.sum())} record(s) without text in {text_key!r} (null, missing or empty)",
+            file=sys.stderr,
+        )
         docs = docs.select(np.flatnonzero(~empty))
     return docs
 
@@ -183,7 +200,7 @@ def write_split(ds, out_dir: str, name: str, dtype) -> tuple[int, int]:
     tokens = np.memmap(os.path.join(out_dir, f"{name}.bin"), dtype=dtype, mode="w+", shape=(max(total, 1),))
     for start, batch in zip(range(0, len(ds), 1024), ds.iter(batch_size=1024)):
         flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids in batch["ids"]])
-        tokens[offsets[start]: offsets[start] + len(flat)] = flat
+        tokens[offsets[start] : offsets[start] + len(flat)] = flat
     tokens.flush()
     np.save(os.path.join(out_dir, f"{name}.idx.npy"), offsets)
     return total, len(ds)
@@ -203,8 +220,11 @@ def _swap_in(tmp: str, out: str) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", default=[DEFAULT_INPUT], help="files or directories")
-    ap.add_argument("--text-key", default="text", help="field holding the text in json/parquet records (a .txt "
-                    "file is one document)")
+    ap.add_argument(
+        "--text-key",
+        default="text",
+        help="field holding the text in json/parquet records (a .txt file is one document)",
+    )
     ap.add_argument("--tokenizer", default="assets/tokenizers/shakespeare-8k", help="local HF tokenizer dir")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
@@ -217,20 +237,26 @@ def main(argv=None) -> dict:
     if os.path.exists(out) and not os.path.isdir(out):
         raise SystemExit(f"prepare_data: --out {args.out} is a file; give a directory path")
     if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, "meta.json")):
-        raise SystemExit(f"prepare_data: --out {args.out} exists and is not prepared data (no meta.json); "
-                         "it would be replaced, so pick a new directory or empty it first")
+        raise SystemExit(
+            f"prepare_data: --out {args.out} exists and is not prepared data (no meta.json); "
+            "it would be replaced, so pick a new directory or empty it first"
+        )
 
     from transformers import AutoTokenizer
 
     t0 = time.time()
     if not os.path.isdir(_resolve(args.tokenizer)):
-        raise SystemExit(f"prepare_data: --tokenizer {args.tokenizer} is not a directory; give a local HF tokenizer "
-                         "directory (e.g. assets/tokenizers/gpt2, or one made by tools/train_tokenizer.py)")
+        raise SystemExit(
+            f"prepare_data: --tokenizer {args.tokenizer} is not a directory; give a local HF tokenizer "
+            "directory (e.g. assets/tokenizers/gpt2, or one made by tools/train_tokenizer.py)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(_resolve(args.tokenizer))
     except (OSError, ValueError) as err:
-        raise SystemExit(f"prepare_data: --tokenizer {args.tokenizer} could not be loaded "
-                         f"({str(err).strip().splitlines()[0]}); give a local HF tokenizer directory") from None
+        raise SystemExit(
+            f"prepare_data: --tokenizer {args.tokenizer} could not be loaded "
+            f"({str(err).strip().splitlines()[0]}); give a local HF tokenizer directory"
+        ) from None
     eos = tokenizer.eos_token_id
     if eos is None:
         raise SystemExit(f"prepare_data: tokenizer {args.tokenizer} has no eos token; documents need a separator")
@@ -248,21 +274,31 @@ def main(argv=None) -> dict:
             ids = [row + [eos] for row in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]
             return {"ids": ids, "length": [len(r) for r in ids]}
 
-        docs = docs.map(encode, batched=True, remove_columns=["text"], num_proc=args.num_proc,
-                        desc="tokenizing")
+        docs = docs.map(encode, batched=True, remove_columns=["text"], num_proc=args.num_proc, desc="tokenizing")
         # At least one val document, but never all of them: a single document leaves val empty.
         n_val = min(max(1, round(len(docs) * args.val_fraction)), len(docs) - 1)
         if n_val == 0:
-            print("prepare_data: warning: a single document, so the val split is empty "
-                  "(train with train.eval_interval=0 or give more documents)", file=sys.stderr)
+            print(
+                "prepare_data: warning: a single document, so the val split is empty "
+                "(train with train.eval_interval=0 or give more documents)",
+                file=sys.stderr,
+            )
         order = np.random.default_rng(args.seed).permutation(len(docs))
-        train_ds, val_ds = docs.select(sorted(order[: len(docs) - n_val])), docs.select(sorted(order[len(docs) - n_val:]))
+        train_ds, val_ds = (
+            docs.select(sorted(order[: len(docs) - n_val])),
+            docs.select(sorted(order[len(docs) - n_val :])),
+        )
         train_tokens, n_train = write_split(train_ds, tmp, "train", dtype)
         val_tokens, n_val = write_split(val_ds, tmp, "val", dtype)
         meta = {
-            "dtype": np.dtype(dtype).name, "vocab_size": len(tokenizer), "eos_id": eos,
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": len(tokenizer),
+            "eos_id": eos,
             "tokenizer": recorded_path(args.tokenizer),
-            "train_tokens": train_tokens, "val_tokens": val_tokens, "n_docs_train": n_train, "n_docs_val": n_val,
+            "train_tokens": train_tokens,
+            "val_tokens": val_tokens,
+            "n_docs_train": n_train,
+            "n_docs_val": n_val,
             "sources": [recorded_path(f) for fs in groups.values() for f in fs],
         }
         shutil.rmtree(os.path.join(tmp, "hf_cache"), ignore_errors=True)
@@ -273,8 +309,11 @@ def main(argv=None) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"prepared {out}: {train_tokens:,} train + {val_tokens:,} val tokens "
-          f"({n_train} + {n_val} documents) in {time.time() - t0:.1f} s", file=sys.stderr)
+    print(
+        f"prepared {out}: {train_tokens:,} train + {val_tokens:,} val tokens "
+        f"({n_train} + {n_val} documents) in {time.time() - t0:.1f} s",
+        file=sys.stderr,
+    )
     return meta
 
 

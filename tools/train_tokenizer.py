@@ -43,11 +43,14 @@ def train_bpe(out_dir: str, vocab_size: int = 8192, texts=None) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus_texts() if texts is None else texts, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS,
-                            unk_token=EOS).save_pretrained(out_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS).save_pretrained(out_dir)
     # transformers 5 records its own class name, TokenizersBackend, which 4.x (allowed by pyproject) cannot
     # resolve; PreTrainedTokenizerFast names the same class in 5.x and loads in both.
     config_path = os.path.join(out_dir, "tokenizer_config.json")
@@ -77,8 +80,10 @@ def train_on_documents(inputs: list[str], out_dir: str, vocab_size: int, text_ke
     from tools.prepare_data import collect_files, load_documents
 
     if vocab_size < 257:
-        raise SystemExit(f"train_tokenizer: --vocab-size {vocab_size} is below the 256 bytes plus eos a byte-level "
-                         "BPE starts from; use e.g. 8192 or 32000")
+        raise SystemExit(
+            f"train_tokenizer: --vocab-size {vocab_size} is below the 256 bytes plus eos a byte-level "
+            "BPE starts from; use e.g. 8192 or 32000"
+        )
     with tempfile.TemporaryDirectory() as cache:
         docs = load_documents(collect_files(inputs, "train_tokenizer"), text_key, cache, "train_tokenizer")
         if len(docs) == 0:
@@ -87,10 +92,13 @@ def train_on_documents(inputs: list[str], out_dir: str, vocab_size: int, text_ke
     from transformers import AutoTokenizer
 
     built = len(AutoTokenizer.from_pretrained(out_dir))
-    short = (f" (not the {vocab_size} asked for: the documents hold no more merges to learn)"
-             if built < vocab_size else "")
-    print(f"wrote {out_dir}: a byte-level BPE of {built} tokens{short} over {len(docs)} documents; prepare data "
-          f"with it: python tools/prepare_data.py --input {' '.join(inputs)} --tokenizer {out_dir} --out <data dir>")
+    short = (
+        f" (not the {vocab_size} asked for: the documents hold no more merges to learn)" if built < vocab_size else ""
+    )
+    print(
+        f"wrote {out_dir}: a byte-level BPE of {built} tokens{short} over {len(docs)} documents; prepare data "
+        f"with it: python tools/prepare_data.py --input {' '.join(inputs)} --tokenizer {out_dir} --out <data dir>"
+    )
 
 
 def main(argv=None) -> None:

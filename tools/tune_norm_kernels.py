@@ -85,9 +85,11 @@ def main(argv=None) -> list[dict]:
     if device.type == "cuda":
         measure = gpu_timer()
     else:  # the interpreter's times say nothing: run each case once, to check that it runs
+
         def measure(step):
             step()
             return float("nan")
+
     bandwidth = copy_bandwidth(device, timer(device)) if not quick else float("nan")
     default = (row_tiles.TILE_ELEMENTS, rmsnorm.MAX_BWD_PROGRAMS)
     e = torch.finfo(dtype).bits // 8
@@ -100,9 +102,15 @@ def main(argv=None) -> list[dict]:
                     for programs in PROGRAMS:
                         configure(tile, programs)
                         per_row, _, warps = row_tiles.row_tile(width, name)
-                        row = {"op": name, "width": width, "tile_elements": tile, "rows_per_program": per_row,
-                               "num_warps": warps, "bwd_programs": programs,
-                               "error": worst_error(kernel, reference, inputs)}
+                        row = {
+                            "op": name,
+                            "width": width,
+                            "tile_elements": tile,
+                            "rows_per_program": per_row,
+                            "num_warps": warps,
+                            "bwd_programs": programs,
+                            "error": worst_error(kernel, reference, inputs),
+                        }
                         # the forward does not depend on the backward's grid: time it once per tile
                         phases = ("fwd", "fwd+bwd") if programs == PROGRAMS[0] else ("fwd+bwd",)
                         for phase in phases:
@@ -110,23 +118,42 @@ def main(argv=None) -> list[dict]:
                             row[f"{phase}_ms"] = 1e3 * seconds
                             row[f"{phase}_of_copy_bw"] = nbytes[phase] / seconds / bandwidth
                         rows.append(row)
-                        print(f"{name:<10} N={width:<5} tile {tile:>5} ({per_row:>2} rows, {warps:>2} warps) "
-                              f"bwd programs {programs:>4}: " +
-                              "  ".join(f"{p} {row[p + '_ms']:.4f} ms ({100 * row[p + '_of_copy_bw']:.0f}%)"
-                                        for p in phases) + f"  error {row['error']:.1e}", flush=True)
+                        print(
+                            f"{name:<10} N={width:<5} tile {tile:>5} ({per_row:>2} rows, {warps:>2} warps) "
+                            f"bwd programs {programs:>4}: "
+                            + "  ".join(
+                                f"{p} {row[p + '_ms']:.4f} ms ({100 * row[p + '_of_copy_bw']:.0f}%)" for p in phases
+                            )
+                            + f"  error {row['error']:.1e}",
+                            flush=True,
+                        )
     finally:
         configure(*default)
     for name, width, now, best in best_against_default(rows, default):
-        print(f"best {name} N={width}: tile {best['tile_elements']}, bwd programs {best['bwd_programs']}: "
-              f"fwd+bwd {best['fwd+bwd_ms']:.4f} ms against {now['fwd+bwd_ms']:.4f} ms now "
-              f"(x{now['fwd+bwd_ms'] / best['fwd+bwd_ms']:.2f})")
+        print(
+            f"best {name} N={width}: tile {best['tile_elements']}, bwd programs {best['bwd_programs']}: "
+            f"fwd+bwd {best['fwd+bwd_ms']:.4f} ms against {now['fwd+bwd_ms']:.4f} ms now "
+            f"(x{now['fwd+bwd_ms'] / best['fwd+bwd_ms']:.2f})"
+        )
     worst = max(r["error"] for r in rows)
     print(f"largest relative error against the reference over every configuration: {worst:.1e}")
     if device.type == "cuda" and args.out:
         with open(args.out, "w") as f:
-            json.dump({"bench": "tune_norm_kernels", "device": torch.cuda.get_device_name(), "dtype": "bf16",
-                       "rows": n_rows, "copy_GBps": bandwidth / 1e9, "default": default, "results": rows,
-                       "commit": git_commit(), "date": datetime.date.today().isoformat()}, f, indent=1)
+            json.dump(
+                {
+                    "bench": "tune_norm_kernels",
+                    "device": torch.cuda.get_device_name(),
+                    "dtype": "bf16",
+                    "rows": n_rows,
+                    "copy_GBps": bandwidth / 1e9,
+                    "default": default,
+                    "results": rows,
+                    "commit": git_commit(),
+                    "date": datetime.date.today().isoformat(),
+                },
+                f,
+                indent=1,
+            )
     return rows
 
 

@@ -32,8 +32,14 @@ from tools.lock import canonical  # noqa: E402
 
 # Never in the wheelhouse: the machine's own CUDA build of torch brings these.
 LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pip)$")
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 
 def pip(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -45,6 +51,7 @@ def source_only(specs: list[str], target: list[str], out: str) -> list[str]:
 
     One pip process for all of them (one per package took over a minute for 80), dropping each spec pip says it
     cannot find and trying again; a failure pip does not pin on one spec is retried one spec at a time."""
+
     def download(*some: str) -> subprocess.CompletedProcess:
         return pip("download", "-q", "--no-deps", "--only-binary=:all:", *target, "-d", out, *some)
 
@@ -67,10 +74,17 @@ def source_only(specs: list[str], target: list[str], out: str) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="wheelhouse")
-    ap.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                    help="target interpreter, e.g. 3.12 (default: this one)")
-    ap.add_argument("--platform", action="append", default=None,
-                    help=f"target platform tag(s) for binary wheels (default: {', '.join(PLATFORMS)})")
+    ap.add_argument(
+        "--python-version",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="target interpreter, e.g. 3.12 (default: this one)",
+    )
+    ap.add_argument(
+        "--platform",
+        action="append",
+        default=None,
+        help=f"target platform tag(s) for binary wheels (default: {', '.join(PLATFORMS)})",
+    )
     ap.add_argument("--skip", default="", help="comma-separated packages the target already has")
     args = ap.parse_args(argv)
 
@@ -86,20 +100,28 @@ def main(argv=None) -> int:
         env = dict(os.environ, DS_BUILD_OPS="0")
         got = pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", args.out, spec, env=env)
         if got.returncode != 0:
-            print(f"wheelhouse: {spec}: no wheel for Python {args.python_version} on {args.platform or 'manylinux'} "
-                  f"and building one failed:\n{got.stderr.strip()[-2000:]}", file=sys.stderr)
+            print(
+                f"wheelhouse: {spec}: no wheel for Python {args.python_version} on {args.platform or 'manylinux'} "
+                f"and building one failed:\n{got.stderr.strip()[-2000:]}",
+                file=sys.stderr,
+            )
             return 1
         built.append(spec)
     wheels = [f for f in os.listdir(args.out) if f.endswith(".whl")]
-    impure = [w for w in wheels if any(w.startswith(canonical(s.split("==")[0]).replace("-", "_"))
-                                       for s in built) and not w.endswith("-none-any.whl")]
+    impure = [
+        w
+        for w in wheels
+        if any(w.startswith(canonical(s.split("==")[0]).replace("-", "_")) for s in built)
+        and not w.endswith("-none-any.whl")
+    ]
     if impure:
-        print(f"wheelhouse: built wheels are not pure Python (they would not run elsewhere): {impure}",
-              file=sys.stderr)
+        print(f"wheelhouse: built wheels are not pure Python (they would not run elsewhere): {impure}", file=sys.stderr)
         return 1
     size = sum(os.path.getsize(os.path.join(args.out, w)) for w in wheels) / 2**20
-    print(f"wheelhouse: {len(pins)} packages for Python {args.python_version} in {args.out}/ "
-          f"({len(wheels)} wheels, {size:.0f} MiB; built from source: {', '.join(built) or 'none'})")
+    print(
+        f"wheelhouse: {len(pins)} packages for Python {args.python_version} in {args.out}/ "
+        f"({len(wheels)} wheels, {size:.0f} MiB; built from source: {', '.join(built) or 'none'})"
+    )
     return 0
 
 

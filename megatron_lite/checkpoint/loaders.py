@@ -88,7 +88,8 @@ def _load_zero0_universal(engine, zero_dir: str) -> None:
         param.copy_(_tp_share(zero_dir, model, slot, "fp32", param.shape))
         states[position[id(param)]] = {
             "step": torch.tensor(step_of(name), dtype=torch.float32),
-            **{key: _tp_share(zero_dir, model, slot, key, param.shape).clone() for key in ("exp_avg", "exp_avg_sq")}}
+            **{key: _tp_share(zero_dir, model, slot, key, param.shape).clone() for key in ("exp_avg", "exp_avg_sq")},
+        }
     optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
@@ -97,6 +98,7 @@ def _universal_steps(zero_dir: str):
     DeepSpeed's converter writes for ZeRO 1-2 and for a TP ZeRO-3 checkpoint (ours for ZeRO-0), else (ZeRO-3 at
     tp 1) the saved optimizer's in zero/optimizer_state.pt, read once per load (the file also holds the saved
     rank's optimizer state)."""
+
     @functools.cache
     def saved_optimizer_step() -> float:
         saved = torch.load(os.path.join(zero_dir, "optimizer_state.pt"), map_location="cpu", weights_only=False)
@@ -227,8 +229,10 @@ def load_offloaded(engine, path: str, rank: int) -> None:
         if swapped:
             flats = offload.read_swapped(path, record, sub_group)
         else:
-            flats = {"fp32": optim["fp32_flat_groups"][sub_group],
-                     **{key: stored[key] for key in ("exp_avg", "exp_avg_sq")}}
+            flats = {
+                "fp32": optim["fp32_flat_groups"][sub_group],
+                **{key: stored[key] for key in ("exp_avg", "exp_avg_sq")},
+            }
         _fill_zero3_sub_group(zero3, sub_group, flats, stored["step"])
 
 

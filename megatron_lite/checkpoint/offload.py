@@ -43,7 +43,9 @@ def record(engine, path: str, rank: int) -> tuple[str, dict] | None:
             swapped[sub_group] = (master.ds_id, zero3.fp16_partitioned_groups_flat_numel[sub_group])
     return os.path.join(path, OFFLOADED.format(rank=rank)), {
         "optim_states": os.path.basename(engine.ds_engine._get_zero_ckpt_name("", "")),
-        "folder": os.path.join("offloaded_tensors", "rank" + dp_index_to_str(rank)), "swapped": swapped}
+        "folder": os.path.join("offloaded_tensors", "rank" + dp_index_to_str(rank)),
+        "swapped": swapped,
+    }
 
 
 def _files(path: str) -> list[str]:

@@ -50,8 +50,10 @@ def _none_sound(root: str, notes: list[str]) -> str | None:
     checkpoints: the run starts fresh and its own saves replace or prune them (store.clear_for_write, prune)."""
     if not notes:
         return None
-    return (f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {'; '.join(notes)}. "
-            "Nothing was deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir")
+    return (
+        f"checkpoint.resume=auto found no sound checkpoint in checkpoint.dir={root}: {'; '.join(notes)}. "
+        "Nothing was deleted; to start fresh there use checkpoint.resume=never, or another checkpoint.dir"
+    )
 
 
 def choose_resume(resume: str, root: str, ctx) -> str | None:
@@ -68,15 +70,19 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
             if os.path.isfile(os.path.join(root, store.LATEST)):
                 os.remove(os.path.join(root, store.LATEST))
             if moved:
-                warn(f"checkpoint.resume=never: the {len(moved)} committed checkpoint(s) already in checkpoint.dir="
-                     f"{root} are kept, renamed: {', '.join(map(os.path.basename, moved))}")
+                warn(
+                    f"checkpoint.resume=never: the {len(moved)} committed checkpoint(s) already in checkpoint.dir="
+                    f"{root} are kept, renamed: {', '.join(map(os.path.basename, moved))}"
+                )
         dist.barrier()
         return None
     if resume != "auto":
         problem = _agreed_problem(resume, ctx)
         if problem is not None:
-            raise RunError(f"checkpoint.resume={resume} cannot be loaded: {problem}; resume another checkpoint "
-                           "or use checkpoint.resume=auto")
+            raise RunError(
+                f"checkpoint.resume={resume} cannot be loaded: {problem}; resume another checkpoint "
+                "or use checkpoint.resume=auto"
+            )
         return resume
     path, notes = _pick_auto(root, lambda p: _agreed_problem(p, ctx))
     if path is not None:
@@ -89,8 +95,10 @@ def choose_resume(resume: str, root: str, ctx) -> str | None:
     leftovers = store.uncommitted_leftovers(root)
     if leftovers and ctx.is_rank0:
         names = ", ".join(map(os.path.basename, leftovers))
-        warn(f"checkpoint.dir={root} holds only step directories that never committed ({names}: an interrupted "
-             "first save); starting from step 0")
+        warn(
+            f"checkpoint.dir={root} holds only step directories that never committed ({names}: an interrupted "
+            "first save); starting from step 0"
+        )
     return None
 
 
@@ -103,8 +111,13 @@ def first_sound(root: str) -> str | None:
 
 # The settings that decide which samples each step sees (data/sampler.py); model.seq_len may change only with
 # RoPE (check_resume).
-DATA_STREAM_KEYS = (("seed",), ("data", "path"), ("data", "weights"), ("model", "seq_len"),
-                    ("train", "global_batch_size"))
+DATA_STREAM_KEYS = (
+    ("seed",),
+    ("data", "path"),
+    ("data", "weights"),
+    ("model", "seq_len"),
+    ("train", "global_batch_size"),
+)
 
 
 def data_stream_changes(saved_config: dict, cfg) -> list[str]:
@@ -143,23 +156,32 @@ def check_resume(cfg) -> None:
         path = resume
         newer = store.newer_checkpoints(root, read_meta(path).get("step", 0))
         if newer:
-            raise ConfigError(f"checkpoint.resume={resume} would train over newer checkpoints in checkpoint.dir={root} "
-                              f"({', '.join(os.path.basename(p) for p in newer)}); resume the newest "
-                              "(checkpoint.resume=auto), or write to another checkpoint.dir")
+            raise ConfigError(
+                f"checkpoint.resume={resume} would train over newer checkpoints in checkpoint.dir={root} "
+                f"({', '.join(os.path.basename(p) for p in newer)}); resume the newest "
+                "(checkpoint.resume=auto), or write to another checkpoint.dir"
+            )
     meta = read_meta(path)
     saved = meta["model"] if meta["kind"] == "weights" else meta["config"]["model"]
-    differ = {key: (value, saved.get(key)) for key, value in asdict(cfg.model).items()
-              if key not in ("name", "dropout") and saved.get(key) != value}
+    differ = {
+        key: (value, saved.get(key))
+        for key, value in asdict(cfg.model).items()
+        if key not in ("name", "dropout") and saved.get(key) != value
+    }
     if cfg.model.position == "rope" == saved.get("position"):  # RoPE's tables are computed for any length
         differ.pop("seq_len", None)
     if differ:  # every differing key at once: an imported model's shape is typed in one go
         ours = ", ".join(f"model.{key}={value}" for key, (value, _) in differ.items())
         theirs = " ".join(f"model.{key}={override_value(old)}" for key, (_, old) in differ.items())
-        raise ConfigError(f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
-                          f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir")
+        raise ConfigError(
+            f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
+            f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir"
+        )
     from megatron_lite.checkpoint import offload
 
     if offload.unrecorded(path, meta):
-        raise ConfigError(f"checkpoint.resume: {path} was written with zero.offload_optimizer=nvme by an older "
-                          "version, which did not record where its swapped optimizer states are; resume an "
-                          "earlier checkpoint of another offload, or start afresh (checkpoint.resume=never)")
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written with zero.offload_optimizer=nvme by an older "
+            "version, which did not record where its swapped optimizer states are; resume an "
+            "earlier checkpoint of another offload, or start afresh (checkpoint.resume=never)"
+        )

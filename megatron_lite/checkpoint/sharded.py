@@ -26,6 +26,7 @@ from megatron_lite.layout import Layout
 
 # --- RNG streams ------------------------------------------------------------------------------------------
 
+
 def rng_state() -> dict:
     """The default streams of this rank: python, numpy, torch (CPU, CUDA), as tensors and plain numbers, so that
     reading them back needs no pickle (torch.load(weights_only=True); meta.json keeps rank 0's as JSON). Dropout
@@ -33,9 +34,11 @@ def rng_state() -> dict:
     (parallel/random.py), so the step in meta.json is all an exact resume needs for them."""
     version, keys, gauss = random.getstate()
     name, np_keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(keys), gauss],
-             "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -83,11 +86,14 @@ def load_rng(path: str, meta: dict, own_streams: bool) -> None:
     if isinstance(meta.get("rng_rank0"), dict):
         set_rng_state(rng_from_json(meta["rng_rank0"]))
     else:
-        warn(f"{os.path.dirname(path)} keeps its RNG streams pickled (written by an older version), which loading "
-             "could run code from; they are not restored (dropout masks and the data order do not use them)")
+        warn(
+            f"{os.path.dirname(path)} keeps its RNG streams pickled (written by an older version), which loading "
+            "could run code from; they are not restored (dropout masks and the data order do not use them)"
+        )
 
 
 # --- save / load with a DeepSpeed engine ------------------------------------------------------------------
+
 
 def _prepare(ctx, root: str, step: int) -> tuple[str, str]:
     tag = step_name(step)
@@ -96,8 +102,10 @@ def _prepare(ctx, root: str, step: int) -> tuple[str, str]:
         os.makedirs(root, exist_ok=True)
         aside = store.clear_for_write(path)
         if aside is not None:
-            warn(f"{path} held a committed checkpoint this run replaces (passed over at resume as unsound, or "
-                  f"left by a run before checkpoint.resume=never); kept as {aside}")
+            warn(
+                f"{path} held a committed checkpoint this run replaces (passed over at resume as unsound, or "
+                f"left by a run before checkpoint.resume=never); kept as {aside}"
+            )
     dist.barrier()
     return tag, path
 
@@ -137,6 +145,7 @@ def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer)
     def commit(manifest: dict) -> None:
         _commit(root, path, step, meta, manifest, rng, keep)
         remove_shares(path)
+
     writer.submit(path, step, files, commit if ctx.is_rank0 else None)
     return path
 
@@ -155,8 +164,9 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     shares = [None] * ctx.world_size
     dist.all_gather_object(shares, store.manifest_share(path, ctx.rank, ctx.world_size))
     if ctx.is_rank0:
-        _commit(root, path, step, meta, {rel: entry for share in shares for rel, entry in share.items()},
-                rng_state(), keep)
+        _commit(
+            root, path, step, meta, {rel: entry for share in shares for rel, entry in share.items()}, rng_state(), keep
+        )
     dist.barrier()
     return path
 
@@ -184,5 +194,3 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
     load_rng(own, meta, layout.same_as(saved) and os.path.isfile(own))
     return meta
-
-

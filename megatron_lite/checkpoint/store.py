@@ -86,6 +86,7 @@ def is_complete(path: str) -> bool:
 
 # --- durability ---------------------------------------------------------------------------------------------
 
+
 def fsync_path(path: str) -> None:
     """fsync a file or a directory (a directory's fsync persists the names in it: a rename, a new file)."""
     fd = os.open(path, os.O_RDONLY)
@@ -174,6 +175,7 @@ def verify(path: str, checksums: bool = False) -> str | None:
 
 # --- choosing what to resume --------------------------------------------------------------------------------
 
+
 def complete_steps(root: str) -> list[str]:
     """Committed step directories under root, oldest first."""
     return sorted((p for p in _step_dirs(root) if is_complete(p)), key=step_of)
@@ -243,6 +245,7 @@ def newer_checkpoints(root: str, step: int) -> list[str]:
 
 
 # --- writing and pruning ----------------------------------------------------------------------------------
+
 
 def clear_for_write(path: str) -> str | None:
     """Before writing step directory `path`: an uncommitted leftover is removed; a committed one (a checkpoint

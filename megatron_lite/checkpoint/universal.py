@@ -37,8 +37,10 @@ def universal_dir(path: str, scratch: str | None = None) -> str:
     checkpoint.dir: a shared file system the job writes anyway)."""
     if scratch is None or os.access(path, os.W_OK):
         return os.path.join(path, UNIVERSAL)
-    return os.path.join(scratch, f".{UNIVERSAL}_of_{os.path.basename(os.path.normpath(path))}_"
-                                 f"{zlib.crc32(os.path.realpath(path).encode()):08x}")
+    return os.path.join(
+        scratch,
+        f".{UNIVERSAL}_of_{os.path.basename(os.path.normpath(path))}_{zlib.crc32(os.path.realpath(path).encode()):08x}",
+    )
 
 
 def _universal_problem(target: str) -> str | None:
@@ -91,10 +93,17 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
         if meta["layout"]["zero_stage"] == 0:
             _zero0_to_universal(path, meta, tmp)
         else:
-            ds_to_universal(argparse.Namespace(
-                input_folder=view, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
-                keep_temp_folder=False, strict=True, inject_missing_state=False,
-            ))
+            ds_to_universal(
+                argparse.Namespace(
+                    input_folder=view,
+                    output_folder=tmp,
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=False,
+                )
+            )
         manifest = store.manifest_share(tmp, 0, 1)  # before `done` exists: it is not among its own files
         with open(os.path.join(tmp, "done"), "w") as f:
             json.dump(manifest, f)
@@ -118,7 +127,7 @@ def _remove_killed_conversions(prefix: str) -> None:
     folder, start = os.path.split(prefix)
     host = socket.gethostname()
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        owner = name[len(start):].split(".")
+        owner = name[len(start) :].split(".")
         if not name.startswith(start) or len(owner) < 3 or owner[0] != host or not owner[1].isdigit():
             continue
         if not os.path.exists(f"/proc/{owner[1]}"):
@@ -176,8 +185,12 @@ def _zero0_states(saved: dict) -> dict[str, dict]:
     for index, name in zip(indices, order):
         state = optimizer["state"][index]
         assert state["exp_avg"].shape == params[name].shape, f"optimizer entry {index} is not {name}"
-        out[name] = {"fp32": params[name].float(), "exp_avg": state["exp_avg"].float(),
-                     "exp_avg_sq": state["exp_avg_sq"].float(), "step": state["step"]}
+        out[name] = {
+            "fp32": params[name].float(),
+            "exp_avg": state["exp_avg"].float(),
+            "exp_avg_sq": state["exp_avg_sq"].float(),
+            "step": state["step"],
+        }
     return out
 
 

@@ -13,27 +13,34 @@ import tempfile
 
 import torch
 
-from megatron_lite.checkpoint import store
-from megatron_lite.checkpoint import offload
+from megatron_lite.checkpoint import offload, store
 from megatron_lite.checkpoint.loaders import universal_tensor
-from megatron_lite.checkpoint.universal import convert_to_universal, universal_dir
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
+from megatron_lite.checkpoint.universal import convert_to_universal, universal_dir
 from megatron_lite.config import ModelConfig
 
 
-def save_model_state(ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0,
-                     extra_meta: dict | None = None) -> str:
+def save_model_state(
+    ckpt_root: str, model_cfg: ModelConfig, state_dict: dict, step: int = 0, extra_meta: dict | None = None
+) -> str:
     """Write a committed weights-only checkpoint (one process, no DeepSpeed); returns its directory."""
     from dataclasses import asdict
 
     tag = step_name(step)
     path = os.path.join(ckpt_root, tag)
     os.makedirs(path, exist_ok=True)
-    torch.save({k: v.detach().cpu().float().contiguous() for k, v in state_dict.items()},
-               os.path.join(path, "model.pt"))
+    torch.save(
+        {k: v.detach().cpu().float().contiguous() for k, v in state_dict.items()}, os.path.join(path, "model.pt")
+    )
     store.fsync_tree(path)
-    meta = {"kind": "weights", "step": step, "consumed_samples": 0, "model": asdict(model_cfg),
-            "manifest": store.manifest_share(path, 0, 1), **(extra_meta or {})}
+    meta = {
+        "kind": "weights",
+        "step": step,
+        "consumed_samples": 0,
+        "model": asdict(model_cfg),
+        "manifest": store.manifest_share(path, 0, 1),
+        **(extra_meta or {}),
+    }
     atomic_write(os.path.join(path, META), store.meta_text(meta))
     atomic_write(os.path.join(ckpt_root, LATEST), tag)
     return path
@@ -54,8 +61,11 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
 
     zero_dir = os.path.join(convert_to_universal(path, universal_dir(path, tempfile.gettempdir())), "zero")
     rows, widths = padded_vocab_size(model_cfg), _widths(path) if meta["layout"].get("tp", 1) == 1 else {}
-    return {name: universal_tensor(zero_dir, name, "fp32", rows, widths.get(name))
-            for name in sorted(os.listdir(zero_dir)) if os.path.isdir(os.path.join(zero_dir, name))}
+    return {
+        name: universal_tensor(zero_dir, name, "fp32", rows, widths.get(name))
+        for name in sorted(os.listdir(zero_dir))
+        if os.path.isdir(os.path.join(zero_dir, name))
+    }
 
 
 def _widths(path: str) -> dict[str, int]:
@@ -95,8 +105,10 @@ def load_model_state(path: str, verify: bool = True) -> tuple[ModelConfig, dict]
         with contextlib.redirect_stdout(sys.stderr):  # (generate.py's text): its handler takes stderr instead
             import deepspeed  # noqa: F401
     if offload.unrecorded(path, meta):
-        raise ValueError(f"{path} was written with zero.offload_optimizer=nvme by a version that did not record where "
-                         "its swapped weights are (before 2026-11-29); export an earlier checkpoint of another offload")
+        raise ValueError(
+            f"{path} was written with zero.offload_optimizer=nvme by a version that did not record where "
+            "its swapped weights are (before 2026-11-29); export an earlier checkpoint of another offload"
+        )
     if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1 or offload.recorded(path):
         return model_cfg, _merged_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:

@@ -28,7 +28,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ class HostPool:
             elif isinstance(o, (list, tuple)):
                 for v in o:
                     walk(v)
+
         walk(obj)
 
 
@@ -76,8 +77,11 @@ def to_host(obj, pin: bool, pool: HostPool | None = None, memo: dict | None = No
         if id(obj) not in memo:
             t = obj.detach()
             pinned = pin and t.is_cuda
-            host = pool.take(t.shape, t.dtype, pinned) if pool is not None else \
-                torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            host = (
+                pool.take(t.shape, t.dtype, pinned)
+                if pool is not None
+                else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            )
             memo[id(obj)] = host.copy_(t, non_blocking=pinned)
         return memo[id(obj)]
     if isinstance(obj, dict):
@@ -129,14 +133,16 @@ class AsyncWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, path: str, step: int, files: list[tuple[str, object]],
-               commit: Callable[[dict], None] | None) -> None:
+    def submit(
+        self, path: str, step: int, files: list[tuple[str, object]], commit: Callable[[dict], None] | None
+    ) -> None:
         """Start writing `files` [(path, object)] of step directory `path`; rank 0 passes `commit` (called with
         the merged manifest once every rank's share is there)."""
         assert not self.busy(), "one save in flight: wait() first"
         self.step, self.write_s, self._error = step, None, None
-        self._thread = threading.Thread(target=self._run, args=(path, files, commit), daemon=True,
-                                        name=f"checkpoint-writer-step-{step}")
+        self._thread = threading.Thread(
+            target=self._run, args=(path, files, commit), daemon=True, name=f"checkpoint-writer-step-{step}"
+        )
         self._thread.start()
 
     def wait(self, reason: str = "") -> float | None:
@@ -150,8 +156,10 @@ class AsyncWriter:
         self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"the background write of the checkpoint of step {self.step} failed: {error!r}; "
-                               "the previous checkpoint stays `latest`") from error
+            raise RuntimeError(
+                f"the background write of the checkpoint of step {self.step} failed: {error!r}; "
+                "the previous checkpoint stays `latest`"
+            ) from error
         return self.write_s
 
     def close(self) -> None:
@@ -195,8 +203,10 @@ class AsyncWriter:
         while missing:
             missing = [r for r in missing if not os.path.exists(_share_path(path, r))]
             if missing and time.monotonic() > deadline:
-                raise TimeoutError(f"ranks {missing} wrote no manifest share in {path} within "
-                                   f"{self.commit_timeout_s:.0f} s (dist.timeout_s): not committed")
+                raise TimeoutError(
+                    f"ranks {missing} wrote no manifest share in {path} within "
+                    f"{self.commit_timeout_s:.0f} s (dist.timeout_s): not committed"
+                )
             if missing:
                 time.sleep(0.05)
         manifest = {}

@@ -122,13 +122,17 @@ def clear_stale_build_locks(root: str | None = None, quiet_s: float = QUIET_S, s
             outcome = _remove_if_stale(os.path.realpath(lock), quiet_s)
             if outcome == "removed":
                 stopped = time.time() - _last_change(os.path.dirname(lock))
-                say(f"removed a stale build lock {lock}: no process here has it open and its build stopped "
-                    f"{stopped:.0f} s ago (a killed build); it will be rebuilt")
+                say(
+                    f"removed a stale build lock {lock}: no process here has it open and its build stopped "
+                    f"{stopped:.0f} s ago (a killed build); it will be rebuilt"
+                )
                 removed.append(lock)
             elif outcome == "busy":
                 if lock not in told:
-                    say(f"waiting on build lock {lock}: no process here has it open, but its folder changed within "
-                        f"{quiet_s:.0f} s (a build elsewhere?); removed once the folder stays unchanged that long")
+                    say(
+                        f"waiting on build lock {lock}: no process here has it open, but its folder changed within "
+                        f"{quiet_s:.0f} s (a build elsewhere?); removed once the folder stays unchanged that long"
+                    )
                     told.add(lock)
                 waiting.append(lock)
         if waiting:

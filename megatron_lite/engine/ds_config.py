@@ -81,7 +81,10 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict:
         "optimizer": {
             "type": "AdamW",
             "params": {
-                "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                "lr": o.lr,
+                "betas": list(o.betas),
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
                 # torch's AdamW on the device; DeepSpeed's CPU Adam when the optimizer is offloaded.
                 "torch_adam": not offload_opt,
                 # torch's fused kernel: one pass over parameters, gradients and both moments instead of
@@ -115,6 +118,7 @@ def decays(shape) -> bool:
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decayed parameters, then the others (`decays`), each in the model's order. A parameter that
     ZeRO-3 partitioned while it was built holds an empty 1-D tensor; its true shape is `ds_shape`."""
+
     def is_matrix(p) -> bool:
         return decays(getattr(p, "ds_shape", p.shape))
 

@@ -25,9 +25,14 @@ import torch
 
 from megatron_lite.config import Config
 from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision, swap_dir
-from megatron_lite.engine.repairs import (forget_run_in_deepspeed_globals, honour_explicit_zero3_dtype,
-                                          reset_backward_hook_count, restore_group_hyperparameters,
-                                          sum_zero3_gradients_over_cp, zero_offload_accumulators)
+from megatron_lite.engine.repairs import (
+    forget_run_in_deepspeed_globals,
+    honour_explicit_zero3_dtype,
+    reset_backward_hook_count,
+    restore_group_hyperparameters,
+    sum_zero3_gradients_over_cp,
+    zero_offload_accumulators,
+)
 from megatron_lite.layout import Layout
 from megatron_lite.model.layout import universal_split_patterns
 from megatron_lite.model.tied import needs_tie
@@ -40,9 +45,9 @@ from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, resolve_schedule
 
 @dataclass
 class StepOutcome:
-    loss: float       # the step's mean loss over the global batch (same on every rank)
+    loss: float  # the step's mean loss over the global batch (same on every rank)
     grad_norm: float  # before clipping; inf or nan on a skipped step
-    skipped: bool     # the loss or the gradient norm was not finite: no update happened on any rank
+    skipped: bool  # the loss or the gradient norm was not finite: no update happened on any rank
 
 
 class Engine:
@@ -77,15 +82,17 @@ class Engine:
         # Every hyperparameter of this run's optimizer groups (not the learning rate, set each step), put back after a
         # load: a checkpoint of another optimizer (torch's AdamW, saved without offload, into DeepSpeed's CPU Adam)
         # lacks some (bias_correction: a KeyError at the first step).
-        self._group_hparams = [{k: v for k, v in g.items() if k not in ("params", "lr", "step")}
-                               for g in self.optimizer.param_groups]
+        self._group_hparams = [
+            {k: v for k, v in g.items() if k not in ("params", "lr", "step")} for g in self.optimizer.param_groups
+        ]
         # ZeRO optimizers take `output.backward(grad)` through the engine's forward (its hooks open and close
         # each backward). DeepSpeed's plain ZeRO-0 optimizer does not, so there the chunks run the module
         # directly, gradients accumulate in .grad, and we average, measure and clip them before the step.
         self._zero_backward = self.ds_engine._support_torch_style_backward
         assert self._zero_backward == (cfg.zero.stage > 0), (cfg.zero.stage, type(self.optimizer))
-        assert self._zero_backward or all(g["fused"] for g in self.optimizer.param_groups), \
+        assert self._zero_backward or all(g["fused"] for g in self.optimizer.param_groups), (
             "ZeRO-0 steps with torch's fused AdamW (ds_config; Engine._step_clipped_unless_nonfinite)"
+        )
         forward = self.ds_engine if self._zero_backward else self.model
         if not self._zero_backward:
             self.ds_engine.enable_backward_allreduce = False
@@ -100,9 +107,17 @@ class Engine:
         self.tied = model.tied
         s_local = cfg.model.seq_len // ctx.cp_size  # pipeline messages hold this rank's share of the sequence
         s_local = s_local // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else s_local
-        self.executor = PipelineExecutor(model.chunks, resolve_schedule(cfg.parallel.schedule, cfg.parallel.vpp),
-                                         ctx.pp_size, ctx.pp_rank, (t.micro_batch_size, s_local, cfg.model.d_model),
-                                         self.dtype, ctx.device, ctx.pp_global_rank, ctx.pp_group)
+        self.executor = PipelineExecutor(
+            model.chunks,
+            resolve_schedule(cfg.parallel.schedule, cfg.parallel.vpp),
+            ctx.pp_size,
+            ctx.pp_rank,
+            (t.micro_batch_size, s_local, cfg.model.d_model),
+            self.dtype,
+            ctx.device,
+            ctx.pp_global_rank,
+            ctx.pp_group,
+        )
         self.last_stats = None  # the executor's StepStats of the last training step (timings for the bubble)
 
     @property
@@ -126,9 +141,13 @@ class Engine:
         zero_offload_accumulators(self.optimizer)
         split = self.executor.schedule_name in SPLIT_BACKWARD
         with self._weight_copies():
-            stats = self.executor.run(self.split_forward if split else self.forward, micro_batches,
-                                      before_backward=self._new_backward, rng_keys=rng_keys,
-                                      weight_forward=self.forward)
+            stats = self.executor.run(
+                self.split_forward if split else self.forward,
+                micro_batches,
+                before_backward=self._new_backward,
+                rng_keys=rng_keys,
+                weight_forward=self.forward,
+            )
             if self.tied is not None:
                 self._new_backward()
                 self.tied.sync(self.forward)
@@ -202,8 +221,11 @@ class Engine:
         than by a walk of every parameter each step."""
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
-        return [p for p in self.model.parameters() if not getattr(p, "ds_pipe_replicated", False)
-                and (is_model_parallel_parameter(p) or self.ctx.tp_rank == 0)]
+        return [
+            p
+            for p in self.model.parameters()
+            if not getattr(p, "ds_pipe_replicated", False) and (is_model_parallel_parameter(p) or self.ctx.tp_rank == 0)
+        ]
 
     def _reduced_grad_norm(self) -> torch.Tensor:
         """The global gradient norm, a float64 scalar on the device (nothing waits for it). DeepSpeed records
@@ -233,18 +255,23 @@ class Engine:
 
     def save(self, root: str, tag: str) -> None:
         """Every rank writes its own shards into root/tag (DeepSpeed's layout); no `latest` is touched."""
-        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
-            UNIVERSAL_CHECKPOINT_VERSION_VALUE
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
 
         # The universal-format description lets a later job with another layout convert this checkpoint.
-        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-                **universal_split_patterns(self.cfg.model, self.ctx.tp_size)}
-        self.ds_engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info},
-                                    save_latest=False)
+        info = {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            **universal_split_patterns(self.cfg.model, self.ctx.tp_size),
+        }
+        self.ds_engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info}, save_latest=False)
 
     def load(self, root: str, tag: str) -> None:
-        path, _ = self.ds_engine.load_checkpoint(root, tag=tag, load_module_strict=True,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        path, _ = self.ds_engine.load_checkpoint(
+            root, tag=tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
         restore_group_hyperparameters(self.optimizer, self._group_hparams)
@@ -271,7 +298,9 @@ def _remove_own_swap_files(folder: str, rank: int) -> None:
 
 def _bf16_autocast(forward, device_type: str):
     """forward under torch.autocast(bf16): matmuls in bf16 on fp32 parameters, so backward leaves fp32 .grad."""
+
     def run(*args, **kwargs):
         with torch.autocast(device_type, dtype=torch.bfloat16):
             return forward(*args, **kwargs)
+
     return run

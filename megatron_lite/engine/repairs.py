@@ -104,8 +104,20 @@ def replay_cpu_adam_beta_powers(optimizer) -> None:
     group, empty = adam.param_groups[0], torch.empty(0)
     beta1, beta2 = group["betas"]
     for step in range(1, max(steps) + 1):
-        adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
-                                     group["weight_decay"], group["bias_correction"], empty, empty, empty, empty)
+        adam.ds_opt_adam.adam_update(
+            adam.opt_id,
+            step,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["bias_correction"],
+            empty,
+            empty,
+            empty,
+            empty,
+        )
 
 
 def restore_functional_linear() -> None:

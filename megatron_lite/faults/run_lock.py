@@ -37,12 +37,15 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunError(f"run.dir={run_dir} is in use by another run ({holder}): two runs on one run.dir would "
-                           "resume the same checkpoint and rename each other's aside; wait for it to end, or use "
-                           "another run.dir") from None
+            raise RunError(
+                f"run.dir={run_dir} is in use by another run ({holder}): two runs on one run.dir would "
+                "resume the same checkpoint and rename each other's aside; wait for it to end, or use "
+                "another run.dir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        os.write(
+            fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+        )
         self.fd = fd
 
     def release(self) -> None:

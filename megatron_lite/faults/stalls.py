@@ -65,15 +65,23 @@ def name_stalled(grace_s: float) -> tuple[int, str]:
                 break
             time.sleep(0.2)
         stalled = [r for r in range(world) if r not in alive]
-        last = {r: store.get(f"{_PREFIX}/step/{r}").decode() if store.check([f"{_PREFIX}/step/{r}"]) else "none"
-                for r in range(world)}
+        last = {
+            r: store.get(f"{_PREFIX}/step/{r}").decode() if store.check([f"{_PREFIX}/step/{r}"]) else "none"
+            for r in range(world)
+        }
     except Exception as err:  # noqa: BLE001 - the store is what failed; say so instead of a second traceback
-        return rank, (f"a collective timed out and the job's store did not answer either ({str(err).splitlines()[0]}); "
-                      "under srun rank 0 serves it, so rank 0 is the likely one that hung or died")
+        return rank, (
+            f"a collective timed out and the job's store did not answer either ({str(err).splitlines()[0]}); "
+            "under srun rank 0 serves it, so rank 0 is the likely one that hung or died"
+        )
     if not stalled:
-        return min(alive), ("a collective timed out but every rank reported in: none is stuck, a step was only "
-                            "slower than the timeout; raise dist.step_timeout_s")
+        return min(alive), (
+            "a collective timed out but every rank reported in: none is stuck, a step was only "
+            "slower than the timeout; raise dist.step_timeout_s"
+        )
     named = ", ".join(f"rank {r} (last finished step {last[r]})" for r in stalled)
     live_steps = sorted({last[r] for r in alive})
-    return min(alive), (f"a collective timed out: {named} did not report within {grace_s:.0f} s, so it hung or "
-                        f"died; the {len(alive)} other rank(s) last finished step {'/'.join(live_steps)}")
+    return min(alive), (
+        f"a collective timed out: {named} did not report within {grace_s:.0f} s, so it hung or "
+        f"died; the {len(alive)} other rank(s) last finished step {'/'.join(live_steps)}"
+    )

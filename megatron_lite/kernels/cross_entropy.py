@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 
-
 def _tiling(device: torch.device) -> dict:
     """Rows per program and vocabulary columns per loop step. The interpreter wants few, large programs (each
     program costs Python work); a GPU wants many programs with a tile that fits in registers (2 x 2048
@@ -46,8 +45,19 @@ def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, n_valid:
 
 
 @triton.jit
-def _forward_kernel(logits_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, n_rows, n_valid, stride,
-                    vocab_start, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _forward_kernel(
+    logits_ptr,
+    labels_ptr,
+    max_ptr,
+    sumexp_ptr,
+    target_ptr,
+    n_rows,
+    n_valid,
+    stride,
+    vocab_start,
+    ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: N * V may pass 2^31
     row_ok = rows < n_rows
     local_label = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - vocab_start  # (ROWS,), may be off-shard
@@ -73,8 +83,20 @@ def _forward_kernel(logits_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, n_r
 
 
 @triton.jit
-def _backward_kernel(logits_ptr, labels_ptr, max_ptr, sumexp_ptr, grad_loss_ptr, n_rows, n_cols, n_valid, stride,
-                     vocab_start, ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _backward_kernel(
+    logits_ptr,
+    labels_ptr,
+    max_ptr,
+    sumexp_ptr,
+    grad_loss_ptr,
+    n_rows,
+    n_cols,
+    n_valid,
+    stride,
+    vocab_start,
+    ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < n_rows
     local_label = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - vocab_start
@@ -92,8 +114,6 @@ def _backward_kernel(logits_ptr, labels_ptr, max_ptr, sumexp_ptr, grad_loss_ptr,
         tl.store(ptrs, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
-
-
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, n_valid, vocab_start, tp_group):
@@ -102,8 +122,9 @@ class _CrossEntropy(torch.autograd.Function):
         labels = labels.contiguous()
         row_max, sum_exp, target = (torch.empty(n_rows, dtype=torch.float32, device=logits.device) for _ in range(3))
         tiling = _tiling(logits.device)
-        _forward_kernel[(triton.cdiv(n_rows, tiling["ROWS"]),)](logits, labels, row_max, sum_exp, target, n_rows,
-                                                                n_valid, logits.stride(0), vocab_start, **tiling)
+        _forward_kernel[(triton.cdiv(n_rows, tiling["ROWS"]),)](
+            logits, labels, row_max, sum_exp, target, n_rows, n_valid, logits.stride(0), vocab_start, **tiling
+        )
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             local_max = row_max.clone()
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)  # M
@@ -120,13 +141,24 @@ class _CrossEntropy(torch.autograd.Function):
         n_rows, n_cols = logits.shape
         tiling = _tiling(logits.device)
         _backward_kernel[(triton.cdiv(n_rows, tiling["ROWS"]),)](
-            logits, labels, row_max, sum_exp, grad_loss.float().contiguous(), n_rows, n_cols, ctx.n_valid,
-            logits.stride(0), ctx.vocab_start, **tiling)
+            logits,
+            labels,
+            row_max,
+            sum_exp,
+            grad_loss.float().contiguous(),
+            n_rows,
+            n_cols,
+            ctx.n_valid,
+            logits.stride(0),
+            ctx.vocab_start,
+            **tiling,
+        )
         return logits, None, None, None, None  # the logits buffer now holds their gradient
 
 
-def cross_entropy_triton(logits: torch.Tensor, labels: torch.Tensor, n_valid: int | None = None,
-                         vocab_start: int = 0, tp_group=None) -> torch.Tensor:
+def cross_entropy_triton(
+    logits: torch.Tensor, labels: torch.Tensor, n_valid: int | None = None, vocab_start: int = 0, tp_group=None
+) -> torch.Tensor:
     """Per-token loss (N,) fp32. logits (N, V_local) hold vocabulary ids [vocab_start, vocab_start + V_local),
     of which the first n_valid columns are real (default: all); with tp_group, the shards of all TP ranks
     together make the vocabulary. Backward overwrites `logits` with their gradient."""

@@ -53,8 +53,9 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
 
 
 @triton.jit
-def _forward_kernel(x_ptr, b_ptr, y_ptr, n_rows, n_cols, x_stride, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _forward_kernel(
+    x_ptr, b_ptr, y_ptr, n_rows, n_cols, x_stride, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr
+):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: offsets may pass 2^31
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK_N)
@@ -66,8 +67,20 @@ def _forward_kernel(x_ptr, b_ptr, y_ptr, n_rows, n_cols, x_stride, HAS_BIAS: tl.
 
 
 @triton.jit
-def _backward_kernel(x_ptr, b_ptr, g_ptr, dx_ptr, partial_ptr, n_rows, n_cols, x_stride, g_stride,
-                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _backward_kernel(
+    x_ptr,
+    b_ptr,
+    g_ptr,
+    dx_ptr,
+    partial_ptr,
+    n_rows,
+    n_cols,
+    x_stride,
+    g_stride,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -110,8 +123,9 @@ class _BiasGeLU(torch.autograd.Function):
         out_dtype = torch.promote_types(x.dtype, bias.dtype) if has_bias else x.dtype
         y = torch.empty(n_rows, n_cols, dtype=out_dtype, device=x.device)  # (n, N)
         b = bias.contiguous() if has_bias else x2d  # a dummy pointer when there is no bias; never read
-        _forward_kernel[_grid(n_rows, n_cols)](x2d, b, y, n_rows, n_cols, x2d.stride(0), HAS_BIAS=has_bias,
-                                               ROWS=ROWS, BLOCK_N=BLOCK_N)
+        _forward_kernel[_grid(n_rows, n_cols)](
+            x2d, b, y, n_rows, n_cols, x2d.stride(0), HAS_BIAS=has_bias, ROWS=ROWS, BLOCK_N=BLOCK_N
+        )
         ctx.save_for_backward(x2d, b)
         ctx.has_bias, ctx.shape, ctx.x_dtype = has_bias, x.shape, x.dtype
         return y.view(x.shape)
@@ -124,10 +138,23 @@ class _BiasGeLU(torch.autograd.Function):
         dx = torch.empty(n_rows, n_cols, dtype=ctx.x_dtype, device=x2d.device)
         grid = _grid(n_rows, n_cols)
         # (row_programs, N) fp32 partial sums of d bias; a 1-element dummy when there is no bias
-        partial = torch.empty(grid[0] if ctx.has_bias else 1, n_cols if ctx.has_bias else 1, dtype=torch.float32,
-                              device=x2d.device)
-        _backward_kernel[grid](x2d, b, g2d, dx, partial, n_rows, n_cols, x2d.stride(0), g2d.stride(0),
-                               HAS_BIAS=ctx.has_bias, ROWS=ROWS, BLOCK_N=BLOCK_N)
+        partial = torch.empty(
+            grid[0] if ctx.has_bias else 1, n_cols if ctx.has_bias else 1, dtype=torch.float32, device=x2d.device
+        )
+        _backward_kernel[grid](
+            x2d,
+            b,
+            g2d,
+            dx,
+            partial,
+            n_rows,
+            n_cols,
+            x2d.stride(0),
+            g2d.stride(0),
+            HAS_BIAS=ctx.has_bias,
+            ROWS=ROWS,
+            BLOCK_N=BLOCK_N,
+        )
         d_bias = partial.sum(0).to(b.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), d_bias
 

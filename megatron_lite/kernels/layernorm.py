@@ -34,16 +34,27 @@ import triton.language as tl
 from megatron_lite.kernels.row_tiles import MAX_BWD_PROGRAMS, as_rows, row_tile
 
 
-
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         eps: float) -> torch.Tensor:
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The model's torch LayerNorm over the last dim."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, n_rows, n_cols, x_stride, eps,
-                    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _forward_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    mean_ptr,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    x_stride,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: row * stride may pass 2^31
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,) the whole row, padded to a power of two
     col_ok = cols < n_cols
@@ -62,9 +73,24 @@ def _forward_kernel(x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, n_rows, n_
 
 
 @triton.jit
-def _backward_kernel(x_ptr, w_ptr, mean_ptr, rstd_ptr, g_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, n_rows,
-                     n_cols, x_stride, g_stride, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _backward_kernel(
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    g_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    n_rows,
+    n_cols,
+    x_stride,
+    g_stride,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -110,9 +136,22 @@ class _LayerNorm(torch.autograd.Function):
         mean, rstd = (torch.empty(n_rows, dtype=torch.float32, device=x.device) for _ in range(2))  # (n,) each
         weight = weight.contiguous()
         b = bias.contiguous() if bias is not None else weight  # a dummy pointer when there is no bias; never read
-        _forward_kernel[(max(1, triton.cdiv(n_rows, rows)),)](x2d, weight, b, out, mean, rstd, n_rows, n_cols,
-                                                              x2d.stride(0), eps, HAS_BIAS=bias is not None,
-                                                              ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        _forward_kernel[(max(1, triton.cdiv(n_rows, rows)),)](
+            x2d,
+            weight,
+            b,
+            out,
+            mean,
+            rstd,
+            n_rows,
+            n_cols,
+            x2d.stride(0),
+            eps,
+            HAS_BIAS=bias is not None,
+            ROWS=rows,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
         ctx.save_for_backward(x2d, weight, mean, rstd)
         ctx.x_shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
         return out.view(x.shape)
@@ -132,16 +171,31 @@ class _LayerNorm(torch.autograd.Function):
             return torch.empty((n_programs, n_cols) if needed else (1,), dtype=torch.float32, device=x2d.device)
 
         dw_partial, db_partial = partial(compute_dw), partial(compute_db)
-        _backward_kernel[(n_programs,)](x2d, weight, mean, rstd, g2d, dx, dw_partial, db_partial, n_rows, n_cols,
-                                        x2d.stride(0), g2d.stride(0), COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
-                                        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        _backward_kernel[(n_programs,)](
+            x2d,
+            weight,
+            mean,
+            rstd,
+            g2d,
+            dx,
+            dw_partial,
+            db_partial,
+            n_rows,
+            n_cols,
+            x2d.stride(0),
+            g2d.stride(0),
+            COMPUTE_DW=compute_dw,
+            COMPUTE_DB=compute_db,
+            ROWS=rows,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
         dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
         db = db_partial.sum(0).to(ctx.bias_dtype) if compute_db else None
         return dx.view(ctx.x_shape), dw, db, None
 
 
-def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      eps: float) -> torch.Tensor:
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm of x (..., N) with gain weight (N,) and bias (N,) or None; output in x's dtype. Backward gives
     dx, dweight and dbias (deterministic; each only when required)."""
     return _LayerNorm.apply(x, weight, bias, eps)

@@ -5,16 +5,21 @@ kernel module (kernels.swiglu) never shadows a dispatch function of the same nam
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from megatron_lite.kernels import BACKENDS, OPS
 
 # Each op of OPS: the file in this package that holds it and its functions' stem (<stem>_triton, <stem>_reference).
-_SOURCES = {"rmsnorm": ("rmsnorm", "rms_norm"), "layernorm": ("layernorm", "layer_norm"),
-            "rope": ("rope", "apply_rope"), "swiglu": ("swiglu", "swiglu"), "bias_gelu": ("gelu", "bias_gelu"),
-            "cross_entropy": ("cross_entropy", "cross_entropy")}
+_SOURCES = {
+    "rmsnorm": ("rmsnorm", "rms_norm"),
+    "layernorm": ("layernorm", "layer_norm"),
+    "rope": ("rope", "apply_rope"),
+    "swiglu": ("swiglu", "swiglu"),
+    "bias_gelu": ("gelu", "bias_gelu"),
+    "cross_entropy": ("cross_entropy", "cross_entropy"),
+}
 _RESOLVED: dict[tuple[str, str], Callable] = {}  # (op, backend) -> function, once imported
 
 
@@ -41,8 +46,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
     return _op("rmsnorm", backend)(x, weight, eps)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-               backend: str = "torch") -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, backend: str = "torch"
+) -> torch.Tensor:
     return _op("layernorm", backend)(x, weight, bias, eps)
 
 
@@ -61,8 +67,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, backend: str = "torch"
     return _op("bias_gelu", backend)(x, bias)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, n_valid: int | None = None,
-                  backend: str = "torch") -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, n_valid: int | None = None, backend: str = "torch"
+) -> torch.Tensor:
     """Per-token fp32 loss (N,) over the first n_valid columns of logits (N, V). The Triton kernel overwrites
     the logits with their gradient in backward: pass logits that nothing else uses."""
     return _op("cross_entropy", backend)(logits, labels, n_valid)

@@ -32,7 +32,6 @@ import triton.language as tl
 from megatron_lite.kernels.row_tiles import MAX_BWD_PROGRAMS, as_rows, row_tile
 
 
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's torch RMSNorm, operation for operation (tests compare the model to it bit for bit)."""
     x32 = x.float()
@@ -41,8 +40,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_stride, eps,
-                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _forward_kernel(
+    x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_stride, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr
+):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (ROWS,); int64: row * stride may pass 2^31
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,) the whole row, padded to a power of two
     ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK_N)
@@ -52,14 +52,26 @@ def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, n_cols, x_stride, e
     # Round y to x's dtype before the gain, as the reference does (a no-op for fp32 x).
     y = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # (ROWS, BLOCK_N)
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)  # (BLOCK_N,)
-    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
 
 @triton.jit
-def _backward_kernel(x_ptr, w_ptr, rstd_ptr, g_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, x_stride, g_stride,
-                     COMPUTE_DW: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _backward_kernel(
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    g_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    x_stride,
+    g_stride,
+    COMPUTE_DW: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -97,8 +109,9 @@ class _RMSNorm(torch.autograd.Function):
         out = torch.empty(n_rows, n_cols, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)  # (n,)
         weight = weight.contiguous()
-        _forward_kernel[(max(1, triton.cdiv(n_rows, rows)),)](x2d, weight, out, rstd, n_rows, n_cols, x2d.stride(0),
-                                                              eps, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps)
+        _forward_kernel[(max(1, triton.cdiv(n_rows, rows)),)](
+            x2d, weight, out, rstd, n_rows, n_cols, x2d.stride(0), eps, ROWS=rows, BLOCK_N=block_n, num_warps=num_warps
+        )
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], n_cols)
@@ -114,9 +127,22 @@ class _RMSNorm(torch.autograd.Function):
         n_programs = max(1, min(triton.cdiv(n_rows, rows), MAX_BWD_PROGRAMS))
         # fp32 partial sums of dw, one row per program; a 1-element dummy when the gain needs no gradient
         dw_partial = torch.empty((n_programs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x2d.device)
-        _backward_kernel[(n_programs,)](x2d, weight, rstd, g2d, dx, dw_partial, n_rows, n_cols, x2d.stride(0),
-                                        g2d.stride(0), COMPUTE_DW=compute_dw, ROWS=rows, BLOCK_N=block_n,
-                                        num_warps=num_warps)
+        _backward_kernel[(n_programs,)](
+            x2d,
+            weight,
+            rstd,
+            g2d,
+            dx,
+            dw_partial,
+            n_rows,
+            n_cols,
+            x2d.stride(0),
+            g2d.stride(0),
+            COMPUTE_DW=compute_dw,
+            ROWS=rows,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
         dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
         return dx.view(ctx.x_shape), dw, None
 

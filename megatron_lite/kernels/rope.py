@@ -43,9 +43,28 @@ def apply_rope_reference(x, cos, sin):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, n_rows, n_heads, seq_len, half,
-                 xs_b, xs_h, xs_s, xs_d, ys_b, ys_h, ys_s, ys_d, table_stride,
-                 SIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    y_ptr,
+    cos_ptr,
+    sin_ptr,
+    n_rows,
+    n_heads,
+    seq_len,
+    half,
+    xs_b,
+    xs_h,
+    xs_s,
+    xs_d,
+    ys_b,
+    ys_h,
+    ys_s,
+    ys_d,
+    table_stride,
+    SIGN: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     # (ROWS,) flat (b, heads, s) index; int64 so that row * stride cannot overflow past 2^31 elements
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)  # (BLOCK_HALF,) index into one half of the head dim
@@ -78,8 +97,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
     block_half = triton.next_power_of_2(half)
     rows_per_program = max(1, TILE // block_half)  # a power of two, as tl.arange needs
     _rope_kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        x, y, cos, sin, n_rows, n_heads, seq_len, half, *x.stride(), *y.stride(), cos.stride(0),
-        SIGN=sign, ROWS=rows_per_program, BLOCK_HALF=block_half)
+        x,
+        y,
+        cos,
+        sin,
+        n_rows,
+        n_heads,
+        seq_len,
+        half,
+        *x.stride(),
+        *y.stride(),
+        cos.stride(0),
+        SIGN=sign,
+        ROWS=rows_per_program,
+        BLOCK_HALF=block_half,
+    )
     return y
 
 

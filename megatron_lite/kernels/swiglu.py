@@ -52,8 +52,7 @@ def _forward_kernel(h_ptr, out_ptr, n_rows, f, h_stride, out_stride, ROWS: tl.co
 
 
 @triton.jit
-def _backward_kernel(h_ptr, g_ptr, dh_ptr, n_rows, f, h_stride, g_stride, ROWS: tl.constexpr,
-                     BLOCK_F: tl.constexpr):
+def _backward_kernel(h_ptr, g_ptr, dh_ptr, n_rows, f, h_stride, g_stride, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     ok = (rows < n_rows)[:, None] & (cols < f)[None, :]
@@ -89,8 +88,7 @@ class _SwiGLU(torch.autograd.Function):
         h2d = _as_rows(h)  # (n, 2f)
         n_rows, f = h2d.shape[0], h2d.shape[1] // 2
         out = torch.empty(n_rows, f, dtype=h.dtype, device=h.device)  # (n, f)
-        _forward_kernel[_grid(n_rows, f)](h2d, out, n_rows, f, h2d.stride(0), out.stride(0),
-                                          ROWS=ROWS, BLOCK_F=BLOCK_F)
+        _forward_kernel[_grid(n_rows, f)](h2d, out, n_rows, f, h2d.stride(0), out.stride(0), ROWS=ROWS, BLOCK_F=BLOCK_F)
         ctx.save_for_backward(h2d)
         ctx.shape = h.shape
         return out.view(*h.shape[:-1], f)
@@ -101,8 +99,9 @@ class _SwiGLU(torch.autograd.Function):
         n_rows, f = h2d.shape[0], h2d.shape[1] // 2
         g2d = _as_rows(grad_out)  # (n, f)
         dh = torch.empty_like(h2d, memory_format=torch.contiguous_format)  # (n, 2f): [d gate | d up]
-        _backward_kernel[_grid(n_rows, f)](h2d, g2d, dh, n_rows, f, h2d.stride(0), g2d.stride(0),
-                                           ROWS=ROWS, BLOCK_F=BLOCK_F)
+        _backward_kernel[_grid(n_rows, f)](
+            h2d, g2d, dh, n_rows, f, h2d.stride(0), g2d.stride(0), ROWS=ROWS, BLOCK_F=BLOCK_F
+        )
         return dh.view(ctx.shape)
 
 

@@ -17,24 +17,29 @@ checkpoint/weights.py: load_model_state).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
 
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPT
-from megatron_lite.parallel.context import ParallelContext
-from megatron_lite.model.parallelize_cp import cp_parallelize
 from megatron_lite.model.parallelize import parallelize
+from megatron_lite.model.parallelize_cp import cp_parallelize
 from megatron_lite.model.tied import tie_across_stages
+from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule, v_shaped
 
 
-def build_model(cfg: Config, ctx: ParallelContext, *,
-                weights: Mapping[str, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
-                partition: Callable[[nn.Parameter], None] | None = None) -> GPT:
+def build_model(
+    cfg: Config,
+    ctx: ParallelContext,
+    *,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+    partition: Callable[[nn.Parameter], None] | None = None,
+) -> GPT:
     """This rank's chunks and TP shards, initialised from (cfg.seed, parameter name), or from `weights` (a full
     state dict of the serial model). dtype and `partition` (see zero3_partitioner) serve a ZeRO-3 build; the
     default keeps fp32 parameters on ctx.device for the engine to take over."""
@@ -62,11 +67,15 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
     # module= makes Init do what DeepSpeed's ZeRO-3 setup does with a built model (it also swaps in ZeRO-3's
     # memory-efficient linear); an empty module gives it no parameter yet: they come one by one below.
-    init = deepspeed.zero.Init(module=nn.Module(), data_parallel_group=ctx.dp_cp_group, config_dict_or_path=ds_config,
-                               dtype=dtype, mpu=ctx.mpu())
+    init = deepspeed.zero.Init(
+        module=nn.Module(),
+        data_parallel_group=ctx.dp_cp_group,
+        config_dict_or_path=ds_config,
+        dtype=dtype,
+        mpu=ctx.mpu(),
+    )
 
     def partition(param: nn.Parameter) -> None:
         init._convert_to_zero_parameters([param])  # what Init(module=model) runs for each of its parameters
 
     return partition, dtype
-

@@ -33,14 +33,15 @@ Left out on purpose: KV cache / generation, attention masks other than causal, M
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megatron_lite.kernels import OPS, ops
 from megatron_lite.config import ModelConfig
+from megatron_lite.kernels import OPS, ops
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
 from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
@@ -70,8 +71,9 @@ class LayerNorm(nn.LayerNorm):
     kernel_backend = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.layer_norm(x, weight_grad.held(self.weight), weight_grad.held(self.bias), self.eps,
-                              self.kernel_backend)
+        return ops.layer_norm(
+            x, weight_grad.held(self.weight), weight_grad.held(self.bias), self.eps, self.kernel_backend
+        )
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -295,15 +297,16 @@ class GPT(nn.Module):
         self.recomputed_blocks: frozenset[int] = frozenset()
         self.tied = None  # model/tied.TiedEmbedding when a pipeline splits the tied embedding over two stages
         # The whole model is one chunk until keep_chunks() cuts it down to a pipeline rank's share.
-        self.chunks = [ChunkSpec(chunk=0, virtual_stage=0, layers=range(cfg.n_layers), has_embedding=True,
-                                 has_head=True)]
+        self.chunks = [
+            ChunkSpec(chunk=0, virtual_stage=0, layers=range(cfg.n_layers), has_embedding=True, has_head=True)
+        ]
         # Global name -> shape of every parameter of the whole serial model: what the keyed init draws, whatever
         # part of it this model keeps.
         self.full_shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         if torch.device(device if device is not None else "cpu").type != "meta":
             self.materialize(device)
 
-    def keep_chunks(self, chunks: list[ChunkSpec]) -> "GPT":
+    def keep_chunks(self, chunks: list[ChunkSpec]) -> GPT:
         """Drop every module this pipeline rank does not run: blocks of other stages, the embedding without the
         first virtual stage (its tied copy stays with the head), the final norm and head without the last."""
         self.chunks = list(chunks)
@@ -323,9 +326,14 @@ class GPT(nn.Module):
     def _full_init(self, name: str) -> torch.Tensor:
         return init_tensor(name, self.full_shapes[name], self.cfg, self.seed)
 
-    def materialize(self, device: torch.device | str | None = None, *, dtype: torch.dtype = torch.float32,
-                    weights: Mapping[str, torch.Tensor] | None = None,
-                    partition: Callable[[nn.Parameter], None] | None = None) -> "GPT":
+    def materialize(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        partition: Callable[[nn.Parameter], None] | None = None,
+    ) -> GPT:
         """Give every parameter still on the meta device its value on `device`: the full tensor (the keyed init,
         or weights[name] from a full state dict, which must fit the whole model) and then this rank's part of
         it, one parameter at a time. partition(param) runs on each new parameter (ZeRO-3). Buffers follow."""
@@ -421,8 +429,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attn.recompute_core = mode == "selective"
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 0,
-                rng_key: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        chunk: int = 0,
+        rng_key: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """Run chunk `chunk` (the whole model unless cut by keep_chunks). inputs: tokens (b, s) on the first
         virtual stage, else the previous stage's hidden states. rng_key: (step, micro-batch index in the global
         batch), which with the seed, layer and site keys every dropout mask (None: (0, 0)). Returns the mean

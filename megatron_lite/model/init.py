@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -71,16 +71,26 @@ def check_full_weights(weights: Mapping[str, torch.Tensor], full_shapes: Mapping
     """A full state dict must fit the whole serial model (as load_state_dict(strict=True) would demand), even
     though this rank takes only part of it."""
     missing, unexpected = sorted(set(full_shapes) - set(weights)), sorted(set(weights) - set(full_shapes))
-    wrong = [f"{k}: {tuple(weights[k].shape)} vs model {full_shapes[k]}"
-             for k in sorted(set(weights) & set(full_shapes)) if tuple(weights[k].shape) != tuple(full_shapes[k])]
+    wrong = [
+        f"{k}: {tuple(weights[k].shape)} vs model {full_shapes[k]}"
+        for k in sorted(set(weights) & set(full_shapes))
+        if tuple(weights[k].shape) != tuple(full_shapes[k])
+    ]
     if missing or unexpected or wrong:
-        raise RuntimeError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                           f"wrong shapes {wrong[:5]}")
+        raise RuntimeError(
+            f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shapes {wrong[:5]}"
+        )
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, full_value: Callable[[str], torch.Tensor], device: torch.device,
-                dtype: torch.dtype, partition: Callable[[nn.Parameter], None] | None = None) -> None:
+def materialize(
+    model: nn.Module,
+    full_value: Callable[[str], torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    partition: Callable[[nn.Parameter], None] | None = None,
+) -> None:
     """Replace every parameter still on the meta device by a real one on `device`: the full tensor from
     full_value(name) (a new tensor, which may become the parameter itself), cut to this module's part, cast to
     dtype. One parameter at a time, so the peak is this rank's share plus one full tensor and its part.

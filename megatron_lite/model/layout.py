@@ -50,8 +50,11 @@ def universal_split_patterns(model_cfg: ModelConfig, tp: int) -> dict:
 
     h = model_cfg.d_model
     # Fused tensors with more than one segment (GeLU's fc_in is one segment: a plain column split).
-    segments = {r"blocks\.\d+\." + module.replace(".", r"\."): tuple(sizes)
-                for module, sizes in fused_segments(model_cfg).items() if len(sizes) > 1}
+    segments = {
+        r"blocks\.\d+\." + module.replace(".", r"\."): tuple(sizes)
+        for module, sizes in fused_segments(model_cfg).items()
+        if len(sizes) > 1
+    }
     sub_params, widths = [], {}
     for prefix, sizes in segments.items():
         for kind in ("weight", "bias") if model_cfg.bias else ("weight",):

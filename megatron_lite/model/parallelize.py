@@ -92,8 +92,9 @@ class VocabParallelHead(nn.Module):
         if labels is not None and self.kernel_backend == "triton":  # the kernel skips padded columns itself
             from megatron_lite.kernels.cross_entropy import cross_entropy_triton  # imports Triton
 
-            return cross_entropy_triton(logits.flatten(0, 1), labels.flatten(), valid, self.vocab_start,
-                                        self.tp_group).mean()
+            return cross_entropy_triton(
+                logits.flatten(0, 1), labels.flatten(), valid, self.vocab_start, self.tp_group
+            ).mean()
         if valid < logits.shape[-1]:
             padded = torch.arange(logits.shape[-1], device=logits.device) >= valid
             logits = logits.masked_fill(padded, float("-inf"))

@@ -50,8 +50,7 @@ class RingAttention:
 
     def __call__(self, attn: Attention, q, k, v, key: Key) -> torch.Tensor:
         p = attn.dropout if attn.training else 0.0
-        return ring_attention(q, k, v, self.cp_group, dropout_p=p, mask_key=(*key, "attn_probs"),
-                              tp_rank=attn.tp_rank)
+        return ring_attention(q, k, v, self.cp_group, dropout_p=p, mask_key=(*key, "attn_probs"), tp_rank=attn.tp_rank)
 
 
 class UlyssesAttention:

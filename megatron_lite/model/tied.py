@@ -17,7 +17,7 @@ The last stage's copy is marked `ds_pipe_replicated` so that gradient norms coun
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -60,14 +60,16 @@ def init_distributed(timeout_s: int = 600) -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
         def client() -> dist.TCPStore:
-            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                 is_master=False, timeout=timeout)
+            return dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+            )
 
         store = client()
         prefix, formed = _group_prefix(store, client, rank)
         try:
-            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
+            )
             dist.barrier()  # every rank holds its token now (NCCL's init may return before the others join)
         finally:
             if formed is not None:
@@ -163,7 +165,7 @@ class ParallelContext:
     device: torch.device
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1) -> "ParallelContext":
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelContext:
         """Build groups on the already-initialised default process group."""
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = rank_grid(world, tp, pp, cp)  # (pp, dp, cp, tp)
@@ -173,8 +175,7 @@ class ParallelContext:
         def lines(axes: str) -> list[list[int]]:
             """Every group along `axes` (letters of "pdct"): the ranks that differ only in those coordinates."""
             order = "pdct"
-            moved = grid.permute(*[order.index(a) for a in order if a not in axes],
-                                 *[order.index(a) for a in axes])
+            moved = grid.permute(*[order.index(a) for a in order if a not in axes], *[order.index(a) for a in axes])
             return moved.reshape(-1, math.prod(grid.shape[order.index(a)] for a in axes)).tolist()
 
         embed_groups = [[line[0], line[-1]] for line in lines("p")] if pp > 1 else []
@@ -183,20 +184,44 @@ class ParallelContext:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         return cls(
-            world_size=world, rank=rank, local_rank=local_rank, tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp,
-            tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, cp_rank=cp_rank,
-            tp_group=_my_group(rank, lines("t")), dp_group=dp_group, cp_group=cp_group,
+            world_size=world,
+            rank=rank,
+            local_rank=local_rank,
+            tp_size=tp,
+            pp_size=pp,
+            dp_size=dp,
+            cp_size=cp,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            dp_rank=dp_rank,
+            cp_rank=cp_rank,
+            tp_group=_my_group(rank, lines("t")),
+            dp_group=dp_group,
+            cp_group=cp_group,
             dp_cp_group=_my_group(rank, lines("dc")) if cp > 1 else dp_group,
-            pp_group=_my_group(rank, lines("p")), mp_group=_my_group(rank, lines("pt")),
-            embed_group=_my_group(rank, embed_groups), device=device,
+            pp_group=_my_group(rank, lines("p")),
+            mp_group=_my_group(rank, lines("pt")),
+            embed_group=_my_group(rank, embed_groups),
+            device=device,
         )
 
     def destroy(self) -> None:
         """Shut down this context's groups (the default group stays). A gloo group keeps threads that wake
         hundreds of times a second until it is shut down: a process that trains run after run (the test worlds,
         tools that measure several layouts) would otherwise gather them run by run."""
-        mine = {id(g): g for g in (self.tp_group, self.pp_group, self.dp_group, self.cp_group, self.dp_cp_group,
-                                   self.mp_group, self.embed_group) if g is not None}
+        mine = {
+            id(g): g
+            for g in (
+                self.tp_group,
+                self.pp_group,
+                self.dp_group,
+                self.cp_group,
+                self.dp_cp_group,
+                self.mp_group,
+                self.embed_group,
+            )
+            if g is not None
+        }
         for group in mine.values():
             dist.destroy_process_group(group)
 
@@ -209,7 +234,7 @@ class ParallelContext:
         """Global rank 0: the rank that logs and commits checkpoints (the first rank of no group in particular)."""
         return self.rank == 0
 
-    def mpu(self) -> "DeepSpeedMPU":
+    def mpu(self) -> DeepSpeedMPU:
         return DeepSpeedMPU(self)
 
 

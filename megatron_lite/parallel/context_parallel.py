@@ -66,6 +66,7 @@ def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> tor
 
 # ---- ring ----------------------------------------------------------------------------------------------------
 
+
 class _Ring:
     """Passes a tensor one rank on around the cp group: post() sends ours and receives the previous rank's,
     wait() returns what arrived. (Anything with size, rank, post and wait can stand in for it in a RingCall:
@@ -79,7 +80,10 @@ class _Ring:
 
     def post(self, x: torch.Tensor):
         received = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, self.next, self.group), dist.P2POp(dist.irecv, received, self.prev, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, x, self.next, self.group),
+            dist.P2POp(dist.irecv, received, self.prev, self.group),
+        ]
         return dist.batch_isend_irecv(ops), received, x  # x stays alive until the send is done
 
     @staticmethod
@@ -106,7 +110,11 @@ def fused_kernel(q: torch.Tensor) -> str | None:
         return "cpu"
     if q.device.type != "cuda" or hd % 8:
         return None
-    if q.dtype in (torch.float16, torch.bfloat16) and hd <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0):
+    if (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and hd <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    ):
         return "flash"
     return "efficient"
 
@@ -118,8 +126,10 @@ def _block_kernel(q: torch.Tensor, dropout_p: float, blocks: str) -> str | None:
         raise ValueError(f"blocks={blocks!r}: expected one of {', '.join(BLOCKS)}")
     kernel = fused_kernel(q) if blocks != "explicit" and dropout_p == 0 else None
     if blocks == "fused" and kernel is None:
-        raise ValueError(f"blocks=fused: no fused kernel for {q.device.type} {q.dtype} head dim {q.shape[-1]} "
-                         f"with dropout {dropout_p}; use blocks=auto")
+        raise ValueError(
+            f"blocks=fused: no fused kernel for {q.device.type} {q.dtype} head dim {q.shape[-1]} "
+            f"with dropout {dropout_p}; use blocks=auto"
+        )
     return kernel
 
 
@@ -142,16 +152,16 @@ def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
     causal mask is the usual one on the diagonal block."""
     aten = torch.ops.aten
     if kernel == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0, causal,
-                                                                     scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, causal, scale=scale
+        )
         return out, lse.unsqueeze(-1), None
     if kernel == "flash":  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset, debug)
         out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse.unsqueeze(-1), tuple(rest[:6])
-    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                           scale=scale)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
     # the kernel pads its log-sum-exp to a multiple of 32 rows; its backward wants that length back
-    return out, lse[..., :q.shape[2]].unsqueeze(-1), (seed, offset, lse.shape[-1])
+    return out, lse[..., : q.shape[2]].unsqueeze(-1), (seed, offset, lse.shape[-1])
 
 
 def _fused_backward(kernel: str, aux, grad_out, q, k, v, out, lse, causal: bool, scale: float):
@@ -159,17 +169,19 @@ def _fused_backward(kernel: str, aux, grad_out, q, k, v, out, lse, causal: bool,
     aten, lse = torch.ops.aten, lse.squeeze(-1)
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, scale=scale)
+            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, scale=scale
+        )
     grad_out, out = grad_out.to(q.dtype).contiguous(), out.to(q.dtype)
     if kernel == "flash":
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset,
-            scale=scale)
+            grad_out, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        )
     seed, offset, padded = aux
     lse = F.pad(lse, (0, padded - lse.shape[-1])).contiguous()
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+    )
     return dq, dk, dv
 
 
@@ -182,8 +194,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_
     return s
 
 
-def _keep(mask_key: Key, place, tp_rank, rows: slice, like: torch.Tensor, chunk: int,
-          dropout_p: float) -> torch.Tensor | None:
+def _keep(
+    mask_key: Key, place, tp_rank, rows: slice, like: torch.Tensor, chunk: int, dropout_p: float
+) -> torch.Tensor | None:
     """The scaled dropout keep-mask of a tile (query rows x chunk keys of every head of `like`), None without
     dropout."""
     if dropout_p == 0:
@@ -225,6 +238,7 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 class RingCall:
     """What a ring attention call needs besides q, k and v: the ring, dropout (probability, mask key, tp rank)
     and the fused block kernel (None: explicit blocks)."""
+
     ring: object
     dropout_p: float = 0.0
     mask_key: Key = ()
@@ -253,12 +267,13 @@ def ring_forward(q, k, v, call: RingCall):
                 block_out, block_lse, aux = _fused_forward(kernel, qs[qi], ks[ki], vs[ki], causal, scale)
             else:
                 keep = _keep(mask_key, place, tp_rank, rows, q, chunk, dropout_p)
-                block_out, block_lse = _explicit_forward(qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start,
-                                                         scale, keep)
-            o, l = outs[qi][:, :, rows], lses[qi][:, :, rows]
-            merged = torch.logaddexp(l, block_lse)
-            o.mul_(torch.exp(l - merged)).add_(block_out * torch.exp(block_lse - merged))
-            l.copy_(merged)
+                block_out, block_lse = _explicit_forward(
+                    qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start, scale, keep
+                )
+            o, o_lse = outs[qi][:, :, rows], lses[qi][:, :, rows]
+            merged = torch.logaddexp(o_lse, block_lse)
+            o.mul_(torch.exp(o_lse - merged)).add_(block_out * torch.exp(block_lse - merged))
+            o_lse.copy_(merged)
         if pending is not None:
             kv = ring.wait(pending)
     return out.to(q.dtype), lse, aux  # aux: the same for every block (equal chunks, no dropout)
@@ -287,13 +302,21 @@ def ring_backward(grad_out, q, k, v, out, lse, aux, call: RingCall):
         dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
         for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=kernel is None):
             if kernel is not None:
-                grads = _fused_backward(kernel, aux, dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi],
-                                        causal, scale)
+                grads = _fused_backward(kernel, aux, dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], causal, scale)
             else:
                 keep = _keep(call.mask_key, place, call.tp_rank, rows, q, chunk, dropout_p)
-                grads = _explicit_backward(dos[qi][:, :, rows], qs[qi][:, :, rows], ks[ki], vs[ki],
-                                           lses[qi][:, :, rows], deltas[qi][:, :, rows], causal, rows.start,
-                                           scale, keep)
+                grads = _explicit_backward(
+                    dos[qi][:, :, rows],
+                    qs[qi][:, :, rows],
+                    ks[ki],
+                    vs[ki],
+                    lses[qi][:, :, rows],
+                    deltas[qi][:, :, rows],
+                    causal,
+                    rows.start,
+                    scale,
+                    keep,
+                )
             for acc, grad in zip((dqs[qi][:, :, rows], dks[ki], dvs[ki]), grads):
                 acc += grad
         dkv = torch.stack([_fold(torch.cat(dks, dim=2), kv_heads), _fold(torch.cat(dvs, dim=2), kv_heads)])
@@ -319,8 +342,17 @@ class _RingAttention(torch.autograd.Function):
         return *ring_backward(grad_out, *ctx.saved_tensors, ctx.aux, ctx.call), None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, *, dropout_p: float = 0.0,
-                   mask_key: Key = (), tp_rank: int | None = None, blocks: str = "auto") -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group,
+    *,
+    dropout_p: float = 0.0,
+    mask_key: Key = (),
+    tp_rank: int | None = None,
+    blocks: str = "auto",
+) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys: q (b, heads, 2c, hd),
     k and v (b, kv_heads, 2c, hd), each holding chunks cp_chunks(cp, rank). Dropout masks are keyed by
     mask_key + (query chunk, key chunk, first row of the tile) and tp_rank. blocks: auto (a fused kernel
@@ -330,6 +362,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, 
 
 
 # ---- Ulysses -------------------------------------------------------------------------------------------------
+
 
 def _natural_order(cp: int) -> list[int]:
     """Where each chunk of the natural order sits in the sequence gathered from the ranks (rank j's chunks

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.mappings import (
     SEQ_DIM,
     _all_gather,
@@ -29,7 +30,6 @@ from megatron_lite.parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
-from megatron_lite.parallel import weight_grad
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -102,8 +102,17 @@ class _SequenceGatherLinear(torch.autograd.Function):
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r with W split by output rows. Input: replicated (or sequence shards with SP)."""
 
-    def __init__(self, in_features: int, segments: list[int], *, tp_group, bias: bool, sequence_parallel: bool,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        segments: list[int],
+        *,
+        tp_group,
+        bias: bool,
+        sequence_parallel: bool,
+        device=None,
+        dtype=None,
+    ):
         """segments: the full output rows of each fused part ([out_features] for a plain projection)."""
         super().__init__()
         _, size = _rank_size(tp_group)
@@ -118,11 +127,18 @@ class ColumnParallelLinear(nn.Module):
         return shard_segments(full, self.segments, 0, self.tp_group)
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, tp_group, *, segments: list[int] | None = None,
-                  sequence_parallel: bool = False) -> "ColumnParallelLinear":
-        layer = cls(linear.in_features, segments or [linear.out_features], tp_group=tp_group,
-                    bias=linear.bias is not None, sequence_parallel=sequence_parallel, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+    def from_full(
+        cls, linear: nn.Linear, tp_group, *, segments: list[int] | None = None, sequence_parallel: bool = False
+    ) -> ColumnParallelLinear:
+        layer = cls(
+            linear.in_features,
+            segments or [linear.out_features],
+            tp_group=tp_group,
+            bias=linear.bias is not None,
+            sequence_parallel=sequence_parallel,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
         return _load_full(layer, linear)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
@@ -132,16 +148,32 @@ class ColumnParallelLinear(nn.Module):
             store = weight_grad.active_store()
             if store is None:
                 return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group, None, None, False)
-            return _SequenceGatherLinear.apply(x, weight_grad.stand_in(self.weight), weight_grad.stand_in(bias),
-                                               self.tp_group, store, (self.weight, bias), weight_grad.kept())
+            return _SequenceGatherLinear.apply(
+                x,
+                weight_grad.stand_in(self.weight),
+                weight_grad.stand_in(bias),
+                self.tp_group,
+                store,
+                (self.weight, bias),
+                weight_grad.kept(),
+            )
         return weight_grad.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b with W split by input columns. Output: replicated (or sequence shards)."""
 
-    def __init__(self, in_features: int, out_features: int, *, tp_group, bias: bool, sequence_parallel: bool,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group,
+        bias: bool,
+        sequence_parallel: bool,
+        device=None,
+        dtype=None,
+    ):
         """in_features: the full input width, split over the TP ranks."""
         super().__init__()
         _, size = _rank_size(tp_group)
@@ -159,9 +191,16 @@ class RowParallelLinear(nn.Module):
         return shard_segments(full, [full.shape[1]], 1, self.tp_group)
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, tp_group, *, sequence_parallel: bool = False) -> "RowParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, tp_group=tp_group, bias=linear.bias is not None,
-                    sequence_parallel=sequence_parallel, device=linear.weight.device, dtype=linear.weight.dtype)
+    def from_full(cls, linear: nn.Linear, tp_group, *, sequence_parallel: bool = False) -> RowParallelLinear:
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            tp_group=tp_group,
+            bias=linear.bias is not None,
+            sequence_parallel=sequence_parallel,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
         return _load_full(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,12 +229,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def shard_of(self, attr: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary range of the full (V_padded, h) weight."""
-        return full[self.vocab_start:self.vocab_start + self.vocab_rows]  # not weight.shape: ZeRO-3 empties it
+        return full[self.vocab_start : self.vocab_start + self.vocab_rows]  # not weight.shape: ZeRO-3 empties it
 
     @classmethod
-    def from_full(cls, emb: nn.Embedding, tp_group) -> "VocabParallelEmbedding":
-        layer = cls(emb.num_embeddings, emb.embedding_dim, tp_group=tp_group, device=emb.weight.device,
-                    dtype=emb.weight.dtype)
+    def from_full(cls, emb: nn.Embedding, tp_group) -> VocabParallelEmbedding:
+        layer = cls(
+            emb.num_embeddings, emb.embedding_dim, tp_group=tp_group, device=emb.weight.device, dtype=emb.weight.dtype
+        )
         return _load_full(layer, emb)
 
     def forward(self, tokens: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -242,7 +282,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                                 tp_group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, labels: torch.Tensor, vocab_start: int, tp_group
+) -> torch.Tensor:
     """Per-token loss (N,) from logits_shard (N, V/tp) holding vocabulary ids [vocab_start, vocab_start + V/tp)."""
     return _VocabParallelCrossEntropy.apply(logits_shard, labels, vocab_start, tp_group)

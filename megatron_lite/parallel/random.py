@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -109,15 +109,18 @@ def recompute(function: Callable, *args):
     checkpoint). Every mask inside is keyed by an argument (the key travels in args), so the rerun draws the
     forward's masks by construction; no mask depends on where the default generator stands, so there is no RNG
     state to save and restore (preserve_rng_state=False spares a state copy per call)."""
-    return torch.utils.checkpoint.checkpoint(_weight_grads_in_backward(function), *args, use_reentrant=False,
-                                             preserve_rng_state=False)
+    return torch.utils.checkpoint.checkpoint(
+        _weight_grads_in_backward(function), *args, use_reentrant=False, preserve_rng_state=False
+    )
 
 
 def _weight_grads_in_backward(function: Callable) -> Callable:
     """function, run (and rerun in backward) with its weight gradients computed in B under a zero-bubble
     schedule: deferring them would keep what recomputation drops (parallel/weight_grad.py). The forward and
     its rerun must take the same path, or the checkpoint's saved tensors would not match."""
+
     def run(*args):
         with weight_grad.kept_in_backward():
             return function(*args)
+
     return run

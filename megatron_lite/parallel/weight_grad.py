@@ -44,8 +44,8 @@ parameter cannot take a gradient after its module's backward has released it; re
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -237,8 +237,9 @@ def stand_in(weight: torch.Tensor | None) -> torch.Tensor | None:
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()  # torch >= 2.8: bf16 operands, fp32 product on CUDA
 
 
-def linear_weight_grads(grad_out: torch.Tensor, x: torch.Tensor, param_dtype: torch.dtype,
-                        has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_weight_grads(
+    grad_out: torch.Tensor, x: torch.Tensor, param_dtype: torch.dtype, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear's dW = g^T x (out, in) and db = sum of g (out,) over every token, in the parameters' dtype.
 
     Under ZeRO-0's bf16 autocast the operands are bf16 and the parameters fp32. Autocast's own linear rounds
@@ -315,8 +316,9 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, grad_out):
         (tokens,) = ctx.saved_tensors
         # what F.embedding's own backward computes
-        ctx.store.defer(ctx.weights, lambda: (torch.ops.aten.embedding_backward(grad_out, tokens, ctx.rows, -1,
-                                                                                 False, False),))
+        ctx.store.defer(
+            ctx.weights, lambda: (torch.ops.aten.embedding_backward(grad_out, tokens, ctx.rows, -1, False, False),)
+        )
         return None, None, None, None
 
 

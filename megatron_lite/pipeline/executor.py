@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,11 +51,11 @@ from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, Comm, Compute, buil
 @dataclass
 class StepStats:
     loss: torch.Tensor | None  # mean micro-batch loss, on ranks holding the last virtual stage; else None
-    wait_s: float = 0.0        # seconds blocked in p2p waits (idle time at the end of the schedule not included)
-    busy_s: float = 0.0        # seconds in forward/backward compute
-    wall_s: float = 0.0        # seconds from the schedule's first step to its last on this rank
+    wait_s: float = 0.0  # seconds blocked in p2p waits (idle time at the end of the schedule not included)
+    busy_s: float = 0.0  # seconds in forward/backward compute
+    wall_s: float = 0.0  # seconds from the schedule's first step to its last on this rank
     timeline: list = field(default_factory=list)  # (start, end, kind, microbatch, chunk), when recorded
-    peak_kept_bytes: int = 0   # most bytes held at once by chunk outputs waiting for their backward (not counting
+    peak_kept_bytes: int = 0  # most bytes held at once by chunk outputs waiting for their backward (not counting
     #                            one handed to this rank's next chunk: that chunk's input shares its storage)
 
 
@@ -74,8 +74,18 @@ def forward_only(schedule: list) -> list:
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: list[ChunkSpec], schedule: str, pp: int, pp_rank: int, act_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, peer_rank: Callable[[int], int], pp_group):
+    def __init__(
+        self,
+        chunks: list[ChunkSpec],
+        schedule: str,
+        pp: int,
+        pp_rank: int,
+        act_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        peer_rank: Callable[[int], int],
+        pp_group,
+    ):
         """chunks: this rank's ChunkSpecs (vpp of them); schedule: a resolved schedule name; act_shape:
         (micro_batch, s_local, h); peer_rank: pipeline rank -> global rank."""
         self.chunks, self.schedule_name, self.pp, self.pp_rank = chunks, schedule, pp, pp_rank
@@ -95,9 +105,15 @@ class PipelineExecutor:
             self._schedules[(train, m)] = steps if train else forward_only(steps)
         return self._schedules[(train, m)]
 
-    def run(self, forward: Callable, micro_batches: list[torch.Tensor], train: bool = True,
-            before_backward: Callable[[], None] | None = None,
-            rng_keys: list[tuple[int, int]] | None = None, weight_forward: Callable | None = None) -> StepStats:
+    def run(
+        self,
+        forward: Callable,
+        micro_batches: list[torch.Tensor],
+        train: bool = True,
+        before_backward: Callable[[], None] | None = None,
+        rng_keys: list[tuple[int, int]] | None = None,
+        weight_forward: Callable | None = None,
+    ) -> StepStats:
         """Run the schedule over micro_batches (each (b, s+1) tokens; m of them, the same m on every rank).
         forward(inputs, labels, chunk=k, rng_key=rng_keys[mb]) is the engine's forward (rng_key None without
         rng_keys: no dropout expected, e.g. in eval); before_backward() runs before each backward (see
@@ -109,9 +125,9 @@ class PipelineExecutor:
         store, weight_forward = weight_grad.WeightGradStore(), weight_forward or forward
         n_micro = len(micro_batches)
         assert rng_keys is None or len(rng_keys) == n_micro, (len(rng_keys), n_micro)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> the chunk's input (needs its grad)
-        outputs: dict[tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> output, or scaled loss on the last stage
-        inbox: dict[tuple[str, int, int], torch.Tensor] = {}   # (kind, mb, chunk) -> received tensor
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> the chunk's input (needs its grad)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # (mb, chunk) -> output, or scaled loss on the last stage
+        inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk) -> received tensor
         outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, chunk) -> tensor to send
         losses = []
         start = time.perf_counter()
@@ -124,8 +140,20 @@ class PipelineExecutor:
                 mb, k = step.microbatch, step.chunk
                 spec = self.chunks[k]
                 if step.kind == "F":
-                    self._run_forward(forward, spec, mb, n_micro, micro_batches[mb], train, inputs, outputs, inbox,
-                                      outbox, losses, rng_keys[mb] if rng_keys is not None else None)
+                    self._run_forward(
+                        forward,
+                        spec,
+                        mb,
+                        n_micro,
+                        micro_batches[mb],
+                        train,
+                        inputs,
+                        outputs,
+                        inbox,
+                        outbox,
+                        losses,
+                        rng_keys[mb] if rng_keys is not None else None,
+                    )
                 elif step.kind == "B" and not split:
                     self._run_backward(mb, spec, outputs, inbox, inputs, outbox, before_backward)
                 elif step.kind == "B":
@@ -137,8 +165,11 @@ class PipelineExecutor:
                     self._run_weight_grads(weight_forward, store, mb, k, before_backward)
                 t1 = time.perf_counter()
                 stats.busy_s += t1 - t0
-                kept = sum(o.untyped_storage().nbytes() for (_, chunk), o in outputs.items()
-                           if self.chunks[chunk].virtual_stage + 1 not in self.local_chunk)
+                kept = sum(
+                    o.untyped_storage().nbytes()
+                    for (_, chunk), o in outputs.items()
+                    if self.chunks[chunk].virtual_stage + 1 not in self.local_chunk
+                )
                 stats.peak_kept_bytes = max(stats.peak_kept_bytes, kept)
                 if self.record_timeline:
                     stats.timeline.append((t0, t1, step.kind, mb, k))
@@ -160,8 +191,21 @@ class PipelineExecutor:
                 inputs[(mb, spec.chunk)] = x
         return forward(x, labels, chunk=spec.chunk, rng_key=rng_key)
 
-    def _run_forward(self, forward, spec: ChunkSpec, mb: int, n_micro: int, batch, train: bool, inputs, outputs,
-                     inbox, outbox, losses: list, rng_key) -> None:
+    def _run_forward(
+        self,
+        forward,
+        spec: ChunkSpec,
+        mb: int,
+        n_micro: int,
+        batch,
+        train: bool,
+        inputs,
+        outputs,
+        inbox,
+        outbox,
+        losses: list,
+        rng_key,
+    ) -> None:
         """Forward of chunk `spec` for micro-batch mb: the loss kept (scaled 1/m) on the last stage, else the
         output queued for its send. A method of its own so that no local keeps the output's graph (and through
         it the chunk's received input) alive after the backward has run (see _run_backward)."""
@@ -242,5 +286,11 @@ def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
         torch.autograd.backward(out)
         return
     Variable._execution_engine.run_backward(
-        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )

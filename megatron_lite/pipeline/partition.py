@@ -17,8 +17,8 @@ Left out on purpose: cost-model-driven automatic balancing (the user states the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megatron_lite.errors import ConfigError
 
@@ -98,26 +98,29 @@ def layers_per_stage(n_layers: int, pp: int, vpp: int, pp_layers: Sequence[int] 
         raise ConfigError(
             f"{key}={val} makes parallel.pp*parallel.vpp={pp}*{vpp}={n_stages} virtual stages, which do not "
             f"divide model.n_layers={n_layers} evenly; pick pp*vpp among {divisors}, or set an uneven split "
-            f"({_fix_hint(n_layers, n_stages)})")
+            f"({_fix_hint(n_layers, n_stages)})"
+        )
 
     counts = list(pp_layers)
     typed = _fmt(counts)
     if len(counts) != n_stages:
         raise ConfigError(
             f"parallel.pp_layers={typed} has {len(counts)} entries but parallel.pp*parallel.vpp={pp}*{vpp} "
-            f"makes {n_stages} virtual stages; give one count per virtual stage, {_fix_hint(n_layers, n_stages)}")
+            f"makes {n_stages} virtual stages; give one count per virtual stage, {_fix_hint(n_layers, n_stages)}"
+        )
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
-        raise ConfigError(
-            f"parallel.pp_layers={typed} must hold integers >= 0; {_fix_hint(n_layers, n_stages)}")
+        raise ConfigError(f"parallel.pp_layers={typed} must hold integers >= 0; {_fix_hint(n_layers, n_stages)}")
     if sum(counts) != n_layers:
         raise ConfigError(
             f"parallel.pp_layers={typed} sums to {sum(counts)} but model.n_layers={n_layers}; "
-            f"the counts must add up to the model's layers, {_fix_hint(n_layers, n_stages)}")
+            f"the counts must add up to the model's layers, {_fix_hint(n_layers, n_stages)}"
+        )
     empty_middle = [v for v in range(1, n_stages - 1) if counts[v] == 0]
     if empty_middle:
         raise ConfigError(
             f"parallel.pp_layers={typed} leaves virtual stage {empty_middle[0]} without layers; only the first "
-            f"and last stages (which hold the embedding / head) may be empty, {_fix_hint(n_layers, n_stages)}")
+            f"and last stages (which hold the embedding / head) may be empty, {_fix_hint(n_layers, n_stages)}"
+        )
     return counts
 
 
@@ -130,8 +133,9 @@ def stage_layers(n_layers: int, pp: int, vpp: int, pp_layers: Sequence[int] | No
     return ranges
 
 
-def rank_chunks(pp_rank: int, pp: int, vpp: int, n_layers: int,
-                pp_layers: Sequence[int] | None = None, v_shape: bool = False) -> list[ChunkSpec]:
+def rank_chunks(
+    pp_rank: int, pp: int, vpp: int, n_layers: int, pp_layers: Sequence[int] | None = None, v_shape: bool = False
+) -> list[ChunkSpec]:
     """The vpp chunks pipeline rank `pp_rank` builds, in local chunk order (v_shape: vpp == 2, in a V)."""
     assert 0 <= pp_rank < pp, f"pp_rank={pp_rank} outside 0..{pp - 1}"
     assert not v_shape or vpp == 2, f"a V holds two chunks per rank, not {vpp}"
@@ -140,6 +144,7 @@ def rank_chunks(pp_rank: int, pp: int, vpp: int, n_layers: int,
     specs = []
     for chunk in range(vpp):
         v = virtual_stage(pp_rank, chunk, pp, v_shape)
-        specs.append(ChunkSpec(chunk=chunk, virtual_stage=v, layers=ranges[v],
-                               has_embedding=v == 0, has_head=v == last))
+        specs.append(
+            ChunkSpec(chunk=chunk, virtual_stage=v, layers=ranges[v], has_embedding=v == 0, has_head=v == last)
+        )
     return specs

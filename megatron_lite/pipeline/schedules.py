@@ -89,11 +89,15 @@ def resolve_schedule(name: str, vpp: int) -> str:
     if name not in SCHEDULE_CHOICES:
         raise ConfigError(f"parallel.schedule={name} is not a valid choice; use one of {', '.join(SCHEDULE_CHOICES)}")
     if name == "zb_h1" and vpp != 1:
-        raise ConfigError(f"parallel.schedule=zb_h1 runs one model chunk per pipeline rank, got parallel.vpp={vpp}; "
-                          "use parallel.vpp=1, or parallel.schedule=interleaved for several chunks")
+        raise ConfigError(
+            f"parallel.schedule=zb_h1 runs one model chunk per pipeline rank, got parallel.vpp={vpp}; "
+            "use parallel.vpp=1, or parallel.schedule=interleaved for several chunks"
+        )
     if name == "zbv" and vpp != 2:
-        raise ConfigError(f"parallel.schedule=zbv runs two model chunks per pipeline rank (a V), got "
-                          f"parallel.vpp={vpp}; use parallel.vpp=2")
+        raise ConfigError(
+            f"parallel.schedule=zbv runs two model chunks per pipeline rank (a V), got "
+            f"parallel.vpp={vpp}; use parallel.vpp=2"
+        )
     if name in ("gpipe", "zb_h1", "zbv"):
         return name
     return "interleaved" if vpp > 1 else "1f1b"
@@ -176,7 +180,7 @@ def iterations(name: str, pp: int, vpp: int, m: int, pp_rank: int) -> list[tuple
     for i in range(total - warmup):  # steady state: one forward, one backward
         pair = (forwards[warmup + i], backwards[i])
         its += [pair] if name == "interleaved" else [pair[:1], pair[1:]]
-    its += [(b,) for b in backwards[total - warmup:]]  # cool-down: the backwards still owed
+    its += [(b,) for b in backwards[total - warmup :]]  # cool-down: the backwards still owed
     return its
 
 
@@ -246,8 +250,9 @@ def neighbour(pp_rank: int, pp: int, vpp: int, chunk: int, step: int, v_shape: b
     return stage_owner(v, pp, v_shape) if 0 <= v < pp * vpp else None
 
 
-def _message(op: str, kind: str, pp_rank: int, pp: int, vpp: int, step: Compute, direction: int,
-             v_shape: bool) -> P2P | None:
+def _message(
+    op: str, kind: str, pp_rank: int, pp: int, vpp: int, step: Compute, direction: int, v_shape: bool
+) -> P2P | None:
     other = neighbour(pp_rank, pp, vpp, step.chunk, direction, v_shape)
     if other is None or other[0] == pp_rank:  # an end of the pipeline, or handed over in memory on this rank
         return None
@@ -327,7 +332,9 @@ def place_comms(its: list[list[tuple[Compute, ...]]], pp: int, vpp: int, v_shape
                 tick, dst, recv = ticks[src][i] + 1, send.peer, matching_recv(src, pp, vpp, send, v_shape)
                 g = sum(1 for t in ticks[dst] if t < tick)  # dst's Comm at `tick`
                 consumer = Compute("F" if recv.kind == "act" else "B", recv.microbatch, recv.chunk)
-                assert (recv_forward if consumer.kind == "F" else recv_backward)(dst, pp, vpp, consumer, v_shape) == recv
+                assert (recv_forward if consumer.kind == "F" else recv_backward)(
+                    dst, pp, vpp, consumer, v_shape
+                ) == recv
                 assert all(consumer not in it for it in its[dst][:g]), "a tensor must arrive before its use"
                 comms[src][i + 1].append(((0, tick, src), send))
                 comms[dst][g].append(((1, tick, src), recv))
@@ -349,11 +356,13 @@ def build_schedule(name: str, pp: int, vpp: int, m: int, v_shape: bool | None = 
     resolved = resolve_schedule(name, vpp)
     v_shape = v_shaped(resolved) if v_shape is None else v_shape
     if m < 1:
-        raise ConfigError(f"parallel.schedule={name} needs at least 1 micro-batch per step, got {m}; "
-                          "raise train.global_batch_size")
+        raise ConfigError(
+            f"parallel.schedule={name} needs at least 1 micro-batch per step, got {m}; raise train.global_batch_size"
+        )
     if resolved != "gpipe" and m < pp:
         raise ConfigError(
             f"parallel.schedule={name} needs at least parallel.pp={pp} micro-batches per step on each pipeline, "
             f"got {m} (train.global_batch_size / (train.micro_batch_size * dp)); raise train.global_batch_size, "
-            "lower train.micro_batch_size, or use parallel.schedule=gpipe")
+            "lower train.micro_batch_size, or use parallel.schedule=gpipe"
+        )
     return place_comms([iterations(resolved, pp, vpp, m, r) for r in range(pp)], pp, vpp, v_shape)

@@ -21,8 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_lite.pipeline.partition import stage_owner, virtual_stage
-from megatron_lite.pipeline.schedules import (Comm, Compute, P2P, Step, held_bound, in_flight_bound, resolve_schedule,
-                                              v_shaped)
+from megatron_lite.pipeline.schedules import (
+    P2P,
+    Comm,
+    Compute,
+    Step,
+    held_bound,
+    in_flight_bound,
+    resolve_schedule,
+    v_shaped,
+)
 
 
 class ScheduleError(RuntimeError):
@@ -60,8 +68,9 @@ class SimResult:
         return (self.makespan - self.ideal) / self.ideal
 
 
-def expected_bubble(name: str, pp: int, vpp: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
-                    w_cost: float | None = None) -> float:
+def expected_bubble(
+    name: str, pp: int, vpp: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float | None = None
+) -> float:
     """Bubble our schedules reach in this simulator, for any forward/backward cost ratio (the costs matter
     only to zb_h1).
 
@@ -97,12 +106,19 @@ def describe(step: Step, vpp: int) -> str:
     if isinstance(step, Compute):
         return label(step.kind, step.microbatch, step.chunk, vpp)
     arrows = {"send": "->", "recv": "<-"}
-    return "Comm[" + ", ".join(f"{op.op} {op.kind} {label('', op.microbatch, op.chunk, vpp)} "
-                               f"{arrows.get(op.op, '?')} rank {op.peer}" for op in step.ops) + "]"
+    return (
+        "Comm["
+        + ", ".join(
+            f"{op.op} {op.kind} {label('', op.microbatch, op.chunk, vpp)} {arrows.get(op.op, '?')} rank {op.peer}"
+            for op in step.ops
+        )
+        + "]"
+    )
 
 
-def render_grid(result_or_schedule: SimResult | list[list[Step]], vpp: int | None = None,
-                unit: float | None = None) -> str:
+def render_grid(
+    result_or_schedule: SimResult | list[list[Step]], vpp: int | None = None, unit: float | None = None
+) -> str:
     """Rank x time text grid. A SimResult gets one column per `unit` of time (default: the cheaper
     computation), `.` when idle, `~` while a long computation continues; a bare schedule gets its
     computations in order, one per column (no timing)."""
@@ -119,10 +135,11 @@ def render_grid(result_or_schedule: SimResult | list[list[Step]], vpp: int | Non
             rows.append(cells[:n_cols])
         notes = res.notes
     else:
-        vpp = vpp or 1 + max((s.chunk for row in result_or_schedule for s in row if isinstance(s, Compute)),
-                             default=0)
-        rows = [[label(s.kind, s.microbatch, s.chunk, vpp) for s in row if isinstance(s, Compute)]
-                for row in result_or_schedule]
+        vpp = vpp or 1 + max((s.chunk for row in result_or_schedule for s in row if isinstance(s, Compute)), default=0)
+        rows = [
+            [label(s.kind, s.microbatch, s.chunk, vpp) for s in row if isinstance(s, Compute)]
+            for row in result_or_schedule
+        ]
         n_cols, notes = max((len(r) for r in rows), default=0), {}
     width = max([len(c) for r in rows for c in r] + [len(str(n_cols - 1)), 1]) + 1
     lines = ["time   | " + "".join(str(t).ljust(width) for t in range(n_cols))]
@@ -150,8 +167,9 @@ class _Rank:
 class _Simulator:
     def __init__(self, schedule, pp, vpp, m, f_cost, b_cost, w_cost, v_shape):
         if len(schedule) != pp:
-            raise ScheduleError(f"the schedule has {len(schedule)} rank lists, expected pp={pp}\n"
-                                f"{render_grid(schedule, vpp)}")
+            raise ScheduleError(
+                f"the schedule has {len(schedule)} rank lists, expected pp={pp}\n{render_grid(schedule, vpp)}"
+            )
         self.schedule, self.pp, self.vpp, self.m, self.v_shape = schedule, pp, vpp, m, v_shape
         self.split = any(isinstance(s, Compute) and s.kind == "W" for row in schedule for s in row)
         self.b_cost = b_cost
@@ -163,8 +181,18 @@ class _Simulator:
     def result(self, notes: dict[int, str] | None = None) -> SimResult:
         timelines = [r.timeline for r in self.ranks]
         makespan = max((e.end for t in timelines for e in t), default=0.0)
-        return SimResult(self.pp, self.vpp, self.m, self.cost["F"], self.b_cost, timelines, makespan,
-                         [r.peak for r in self.ranks], [r.peak_held for r in self.ranks], notes or {})
+        return SimResult(
+            self.pp,
+            self.vpp,
+            self.m,
+            self.cost["F"],
+            self.b_cost,
+            timelines,
+            makespan,
+            [r.peak for r in self.ranks],
+            [r.peak_held for r in self.ranks],
+            notes or {},
+        )
 
     def fail(self, why: str, notes: dict[int, str] | None = None) -> None:
         raise ScheduleError(f"{why}\n{render_grid(self.result(notes))}")
@@ -202,12 +230,13 @@ class _Simulator:
             if index < len(chan["send"]) and index < len(chan["recv"]):
                 (_, sent, stext), (_, wanted, rtext) = chan["send"][index], chan["recv"][index]
                 if sent != wanted:  # NCCL would hand over the wrong tensor without a word
-                    self.fail(f"message {index} from rank {key[0]} to rank {key[1]} is mismatched: "
-                              f"{stext} pairs with {rtext}")
+                    self.fail(
+                        f"message {index} from rank {key[0]} to rank {key[1]} is mismatched: {stext} pairs with {rtext}"
+                    )
 
     def try_complete(self, rank: int, comm: Comm) -> bool:
         state, done_at = self.ranks[rank], self.ranks[rank].clock
-        for (key, side, index), op in zip(state.slots, comm.ops):
+        for key, side, index in state.slots:  # one slot per op of comm
             other = self.channels[key]["recv" if side == "send" else "send"]
             if index >= len(other):
                 return False  # the partner is not posted yet
@@ -237,7 +266,9 @@ class _Simulator:
             return
         v, ready = virtual_stage(rank, chunk, pp, self.v_shape), state.clock
         from_outside = v == 0 if kind == "F" else v == last  # the data / the loss: always at hand
-        owner, neighbour = stage_owner(v - 1 if kind == "F" else v + 1, pp, self.v_shape) if not from_outside else (-1, -1)
+        owner, neighbour = (
+            stage_owner(v - 1 if kind == "F" else v + 1, pp, self.v_shape) if not from_outside else (-1, -1)
+        )
         if owner == rank:  # the neighbouring chunk on this rank hands it over in memory (pp=1, a V's turn)
             if (mb, neighbour) not in state.done[kind]:
                 self.fail(f"{name}: chunk {neighbour} has not produced its input yet")
@@ -282,8 +313,11 @@ class _Simulator:
             for rank in range(self.pp):
                 while self.advance(rank):
                     progress = True
-        stuck = {r: f"blocked at step {s.pc}: {describe(self.schedule[r][s.pc], self.vpp)}"
-                 for r, s in enumerate(self.ranks) if s.pc < len(self.schedule[r])}
+        stuck = {
+            r: f"blocked at step {s.pc}: {describe(self.schedule[r][s.pc], self.vpp)}"
+            for r, s in enumerate(self.ranks)
+            if s.pc < len(self.schedule[r])
+        }
         if stuck:
             self.fail("deadlock: every unfinished rank waits for a partner that never posts", stuck)
         everything = {(mb, c) for mb in range(self.m) for c in range(self.vpp)}
@@ -299,17 +333,31 @@ class _Simulator:
             for rank, (peak, held) in enumerate(zip(result.peak_in_flight, result.peak_held)):
                 bound = in_flight_bound(name, self.pp, self.vpp, self.m, rank)
                 if peak > bound:
-                    self.fail(f"rank {rank} holds {peak} forwards awaiting their backward, above the "
-                              f"{name} bound of {bound}", {rank: f"peak {peak} > {bound}"})
+                    self.fail(
+                        f"rank {rank} holds {peak} forwards awaiting their backward, above the {name} bound of {bound}",
+                        {rank: f"peak {peak} > {bound}"},
+                    )
                 bound = held_bound(name, self.pp, self.vpp, self.m, rank)
                 if held > bound:
-                    self.fail(f"rank {rank} holds {held} forwards awaiting their weight gradient, above the "
-                              f"{name} bound of {bound}", {rank: f"held {held} > {bound}"})
+                    self.fail(
+                        f"rank {rank} holds {held} forwards awaiting their weight gradient, above the "
+                        f"{name} bound of {bound}",
+                        {rank: f"held {held} > {bound}"},
+                    )
         return result
 
 
-def simulate(schedule: list[list[Step]], pp: int, vpp: int, m: int, f_cost: float = 1.0, b_cost: float = 2.0,
-             name: str | None = None, w_cost: float | None = None, v_shape: bool | None = None) -> SimResult:
+def simulate(
+    schedule: list[list[Step]],
+    pp: int,
+    vpp: int,
+    m: int,
+    f_cost: float = 1.0,
+    b_cost: float = 2.0,
+    name: str | None = None,
+    w_cost: float | None = None,
+    v_shape: bool | None = None,
+) -> SimResult:
     """Run all ranks' step lists together; raise ScheduleError on any hang or inconsistency.
 
     b_cost is the whole backward; a schedule with W steps spends w_cost of it (default half) in W.

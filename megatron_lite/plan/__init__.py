@@ -34,7 +34,7 @@ class Prediction:
     usable_bytes: int
     step: StepTime
     tokens_per_s: float
-    tflops_per_gpu: float    # model FLOPs (metrics.py's count) per second per GPU
+    tflops_per_gpu: float  # model FLOPs (metrics.py's count) per second per GPU
     mfu: float
 
     @property
@@ -55,11 +55,15 @@ def cluster_from_config(c: ClusterConfig, world_size: int | None = None) -> Clus
     """The cluster of the `cluster` config group; nodes default to what world_size needs (else 1)."""
     gpu = gpu_named(c.gpu)
     nodes = c.nodes or (math.ceil(world_size / c.gpus_per_node) if world_size else 1)
-    return Cluster(gpu=gpu, gpus_per_node=c.gpus_per_node, nodes=nodes,
-                   intra_node_GBps=c.intra_node_GBps or gpu.nvlink_GBps,
-                   inter_node_GBps=c.inter_node_GBps or gpu.node_net_GBps / DGX_GPUS * c.gpus_per_node,
-                   achievable=c.achievable,
-                   reserve_bytes=int(c.reserve_gib * 2**30))
+    return Cluster(
+        gpu=gpu,
+        gpus_per_node=c.gpus_per_node,
+        nodes=nodes,
+        intra_node_GBps=c.intra_node_GBps or gpu.nvlink_GBps,
+        inter_node_GBps=c.inter_node_GBps or gpu.node_net_GBps / DGX_GPUS * c.gpus_per_node,
+        achievable=c.achievable,
+        reserve_bytes=int(c.reserve_gib * 2**30),
+    )
 
 
 def planning_precision(cfg: Config) -> str:
@@ -81,18 +85,34 @@ def predict_memory(model: ModelConfig, layout: Layout, precision: str = "bf16", 
     return [rank_memory(model, layout, r, precision, cuda) for r in priced_ranks(model, layout)]
 
 
-def predict(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16", system: System = OURS,
-            cuda: bool = True, ranks: list[RankMemory] | None = None) -> Prediction:
+def predict(
+    model: ModelConfig,
+    layout: Layout,
+    cluster: Cluster,
+    precision: str = "bf16",
+    system: System = OURS,
+    cuda: bool = True,
+    ranks: list[RankMemory] | None = None,
+) -> Prediction:
     """Memory and time of `layout` for `model` on `cluster`; `ranks`: predict_memory's result, if at hand."""
     ranks = ranks if ranks is not None else predict_memory(model, layout, precision, cuda)
     pp_layers = list(layout.pp_layers) if layout.pp_layers else None
-    params = [rank_params(model, layout.tp, layout.pp, layout.vpp, r, pp_layers, v_shaped(layout.schedule)).numel
-              for r in priced_ranks(model, layout)]
+    params = [
+        rank_params(model, layout.tp, layout.pp, layout.vpp, r, pp_layers, v_shaped(layout.schedule)).numel
+        for r in priced_ranks(model, layout)
+    ]
     step = StepModel(model, layout, cluster, precision, system).step(params)
     tokens = layout.global_batch_size * model.seq_len
     flops, _ = step_flops(model, tokens, layout.recompute, layout.recompute_every)
     seconds = step.total_s
     peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops  # as metrics.peak_flops
     per_gpu = flops / seconds / layout.world_size
-    return Prediction(layout=layout, ranks=ranks, usable_bytes=cluster.usable_bytes, step=step,
-                      tokens_per_s=tokens / seconds, tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / peak)
+    return Prediction(
+        layout=layout,
+        ranks=ranks,
+        usable_bytes=cluster.usable_bytes,
+        step=step,
+        tokens_per_s=tokens / seconds,
+        tflops_per_gpu=per_gpu / 1e12,
+        mfu=per_gpu / peak,
+    )

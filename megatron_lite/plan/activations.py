@@ -39,19 +39,19 @@ F32, I64, BOOL = 4, 8, 1
 class MicroShape:
     """One micro-batch on one rank: the sizes and dtypes that decide its activations."""
 
-    b: int            # micro-batch size
-    s: int            # tokens of each sequence on this rank: seq_len / cp
+    b: int  # micro-batch size
+    s: int  # tokens of each sequence on this rank: seq_len / cp
     tp: int
     sp: bool
     cp: int
-    cp_mode: str      # ring | ulysses
-    flash: bool       # fused attention (keeps out + lse) rather than the math path (keeps the s² scores)
-    act: int          # bytes per element of matmul outputs: 2 (bf16) or 4
-    res: int          # bytes per element of the residual stream and norms (4 under ZeRO-0's bf16 autocast)
-    autocast: bool    # ZeRO-0 bf16: matmuls save a bf16 copy of their input
+    cp_mode: str  # ring | ulysses
+    flash: bool  # fused attention (keeps out + lse) rather than the math path (keeps the s² scores)
+    act: int  # bytes per element of matmul outputs: 2 (bf16) or 4
+    res: int  # bytes per element of the residual stream and norms (4 under ZeRO-0's bf16 autocast)
+    autocast: bool  # ZeRO-0 bf16: matmuls save a bf16 copy of their input
     dropout: bool
-    stats: int = 4    # bytes of a LayerNorm statistic: fp32 on a GPU, the input's dtype on a CPU
-    math: int = 4     # bytes per element of the math attention path's tensors (CPU: fp32 whatever the input)
+    stats: int = 4  # bytes of a LayerNorm statistic: fp32 on a GPU, the input's dtype on a CPU
+    math: int = 4  # bytes per element of the math attention path's tensors (CPU: fp32 whatever the input)
     f32_wgrad: bool = False  # a CPU under autocast: a linear's fp32 weight gradient multiplies fp32 copies
 
     @property
@@ -85,9 +85,13 @@ def block_saved(cfg: ModelConfig, x: MicroShape) -> dict[str, int]:
     a, k, f = cfg.n_heads // x.tp, cfg.kv_heads // x.tp, cfg.ffn // x.tp
     n1, n2 = _norm(cfg, x), _norm(cfg, x)
     out = {
-        "norm1.in": n1["in"], "norm1.stats": n1["stats"], "qkv.in": n1["out"],
+        "norm1.in": n1["in"],
+        "norm1.stats": n1["stats"],
+        "qkv.in": n1["out"],
         "proj.in": T * a * d * x.act,  # flash: the kernel's own output, of which this is a view
-        "norm2.in": n2["in"], "norm2.stats": n2["stats"], "fc_in.in": n2["out"],
+        "norm2.in": n2["in"],
+        "norm2.stats": n2["stats"],
+        "fc_in.in": n2["out"],
         "mlp.act": T * f * (4 if cfg.activation == "swiglu" else 2) * x.act,  # see module docstring
     }
     out.update(attention_saved(cfg, x, a, k))

@@ -38,26 +38,35 @@ GIB = 2**30
 class GPU:
     name: str
     memory_bytes: int
-    bf16_flops: float     # dense tensor-core peak, FLOP/s
-    hbm_GBps: float       # memory bandwidth, GB/s
-    nvlink_GBps: float    # NVLink bandwidth per direction per GPU, GB/s
+    bf16_flops: float  # dense tensor-core peak, FLOP/s
+    hbm_GBps: float  # memory bandwidth, GB/s
+    nvlink_GBps: float  # NVLink bandwidth per direction per GPU, GB/s
     node_net_GBps: float  # the node's inter-node network, all NICs together, GB/s
-    fp32_flops: float     # plain fp32 (CUDA-core) peak, FLOP/s: what fp32 matmuls get, since the trainer leaves
-                          # TF32 off (torch's default); metrics.PEAK_TABLE's "fp32" column
+    fp32_flops: float  # plain fp32 (CUDA-core) peak, FLOP/s: what fp32 matmuls get, since the trainer leaves
+    # TF32 off (torch's default); metrics.PEAK_TABLE's "fp32" column
 
 
-GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12),
-    GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12),
-    GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12),
-    GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12),  # "141 GB" sold; the driver reports 143,771 MiB
-    GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12),  # "180 GB" sold; the driver reports 183,359 MiB;
-    # fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's Blackwell datasheet (not in metrics.PEAK_TABLE: probed there)
-)}
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12),
+        GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12),
+        GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12),
+        GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12),  # "141 GB" sold; the driver reports 143,771 MiB
+        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12),  # "180 GB" sold; the driver reports 183,359 MiB;
+        # fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's Blackwell datasheet (not in metrics.PEAK_TABLE: probed there)
+    )
+}
 
 # torch.cuda.get_device_name fragments -> table entry, most specific first (for cluster.gpu=auto)
-DEVICE_NAMES = ((("A100", "40GB"), "a100-40gb"), (("A100",), "a100-80gb"), (("H200",), "h200"),
-                (("GH200",), "h200"), (("H100",), "h100-sxm"), (("B200",), "b200"))
+DEVICE_NAMES = (
+    (("A100", "40GB"), "a100-40gb"),
+    (("A100",), "a100-80gb"),
+    (("H200",), "h200"),
+    (("GH200",), "h200"),
+    (("H100",), "h100-sxm"),
+    (("B200",), "b200"),
+)
 
 DGX_GPUS = 8  # the node the table's network figures are for: one NIC per GPU (a cluster's default scales them)
 INTRA_LATENCY_S = 5e-6

@@ -28,18 +28,18 @@ from megatron_lite.plan.states import zero_states
 @dataclass(frozen=True)
 class RankMemory:
     pp_rank: int
-    params: int       # DeepSpeed's parameter buffers
-    grads: int        # gradient buffers kept between steps
-    optimizer: int    # master weights, moments, step counters
-    buffers: int      # reduce bucket, tied-embedding accumulator, RoPE tables, scalars
+    params: int  # DeepSpeed's parameter buffers
+    grads: int  # gradient buffers kept between steps
+    optimizer: int  # master weights, moments, step counters
+    buffers: int  # reduce bucket, tied-embedding accumulator, RoPE tables, scalars
     activations: int  # at the peak: activations held plus the running backward's transient
-    step_grads: int   # at the peak: gradient buffers allocated within the step
-    step: int         # at the peak: the optimizer step's temporaries (0 unless the peak is the step)
-    host: int         # offloaded states in CPU memory (not counted in the peak)
+    step_grads: int  # at the peak: gradient buffers allocated within the step
+    step: int  # at the peak: the optimizer step's temporaries (0 unless the peak is the step)
+    host: int  # offloaded states in CPU memory (not counted in the peak)
     host_optimizer: int  # of host: master weights and moments
     host_params: int  # of host: ZeRO-3 parameter partitions
-    held: int         # the most activation bytes kept for backward at once (what autograd saves)
-    phase: str        # "backward", "forward" or "optimizer step": where the peak is
+    held: int  # the most activation bytes kept for backward at once (what autograd saves)
+    phase: str  # "backward", "forward" or "optimizer step": where the peak is
 
     @property
     def states(self) -> int:
@@ -55,9 +55,21 @@ def micro_shape(cfg: ModelConfig, lay: Layout, precision: str, cuda: bool) -> A.
     autocast = bf16 and lay.zero_stage == 0  # ZeRO-0 bf16 trains fp32 parameters under autocast (engine.py)
     act = 2 if bf16 else 4
     res = 4 if autocast or not bf16 else 2
-    return A.MicroShape(b=lay.micro_batch_size, s=cfg.seq_len // lay.cp, tp=lay.tp, sp=lay.sp, cp=lay.cp,
-                        cp_mode=lay.cp_mode, flash=cuda or cfg.dropout == 0, act=act, res=res, autocast=autocast,
-                        dropout=cfg.dropout > 0, stats=4 if cuda else res, f32_wgrad=autocast and not cuda)
+    return A.MicroShape(
+        b=lay.micro_batch_size,
+        s=cfg.seq_len // lay.cp,
+        tp=lay.tp,
+        sp=lay.sp,
+        cp=lay.cp,
+        cp_mode=lay.cp_mode,
+        flash=cuda or cfg.dropout == 0,
+        act=act,
+        res=res,
+        autocast=autocast,
+        dropout=cfg.dropout > 0,
+        stats=4 if cuda else res,
+        f32_wgrad=autocast and not cuda,
+    )
 
 
 def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "bf16", cuda: bool = True) -> RankMemory:
@@ -65,8 +77,15 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     pp_layers = list(lay.pp_layers) if lay.pp_layers else None
     params = rank_params(cfg, lay.tp, lay.pp, lay.vpp, pp_rank, pp_layers, v_shaped(lay.schedule))
     bf16 = precision == "bf16"
-    st = zero_states(params, lay.dp * lay.cp, lay.zero_stage, bf16, lay.offload_optimizer != "none",
-                     lay.offload_param != "none", cuda)
+    st = zero_states(
+        params,
+        lay.dp * lay.cp,
+        lay.zero_stage,
+        bf16,
+        lay.offload_optimizer != "none",
+        lay.offload_param != "none",
+        cuda,
+    )
     chunks = rank_chunks(pp_rank, lay.pp, lay.vpp, cfg.n_layers, pp_layers, v_shaped(lay.schedule))
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
     x = micro_shape(cfg, lay, precision, cuda)
@@ -116,22 +135,37 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
         per_micro.append(held)
         grad_t.append(layer_t + st.backward - released)
         grads.append(st.step_grads * chunk_params // total_params)
-    acts_and_grads, moment = peak_activations(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro,
-                                              loss_t, grad_t, grads, st.bucket_held)
+    acts_and_grads, moment = peak_activations(
+        lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro, loss_t, grad_t, grads, st.bucket_held
+    )
     acts_and_grads += st.step_held + copies
     step_grads = sum(g for done, g in zip(moment.grads, grads) if done)
     # after the backwards: ZeRO-2's last reduction (bucket and copies); the tied embedding's sync (an extra
     # backward of the weight), then the optimizer step with its temporaries
     tied_sync = wte * (2 if bf16 else 4) if tied_copy else 0
-    after = {"gradient reduction": st.step_grads + st.backward + st.reduce,
-             "optimizer step": st.step_grads + st.bucket_held + max(st.step, tied_sync)}
+    after = {
+        "gradient reduction": st.step_grads + st.backward + st.reduce,
+        "optimizer step": st.step_grads + st.bucket_held + max(st.step, tied_sync),
+    }
     phase = max(after, key=after.get)
-    common = dict(pp_rank=pp_rank, params=st.params, grads=st.grads, optimizer=st.optimizer, buffers=buffers,
-                  host=st.host, host_optimizer=st.host_optimizer, host_params=st.host_params,
-                  held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro) + copies)
+    common = dict(
+        pp_rank=pp_rank,
+        params=st.params,
+        grads=st.grads,
+        optimizer=st.optimizer,
+        buffers=buffers,
+        host=st.host,
+        host_optimizer=st.host_optimizer,
+        host_params=st.host_params,
+        held=most_held(lay.schedule, lay.pp, lay.vpp, lay.accumulation, pp_rank, per_micro) + copies,
+    )
     if after[phase] > acts_and_grads:
         held_grads = st.step_grads + (st.bucket_held if phase == "optimizer step" else 0)
         return RankMemory(**common, activations=0, step_grads=held_grads, step=after[phase] - held_grads, phase=phase)
-    return RankMemory(**common, activations=acts_and_grads - step_grads, step_grads=step_grads, step=0,
-                      phase="backward" if moment.backward is not None else "forward")
-
+    return RankMemory(
+        **common,
+        activations=acts_and_grads - step_grads,
+        step_grads=step_grads,
+        step=0,
+        phase="backward" if moment.backward is not None else "forward",
+    )

@@ -66,10 +66,12 @@ def _linear(prefix: str, rows: int, cols: int, bias_rows: int | None) -> list[Pa
 def block_linears(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
     """One block's four projections on one TP rank: name -> (rows, cols) of the weight, i.e. (out, in) features."""
     h, d, f = cfg.d_model, cfg.head_dim, cfg.ffn
-    return {"attn.qkv": ((cfg.n_heads + 2 * cfg.kv_heads) * d // tp, h),
-            "attn.proj": (h, cfg.n_heads * d // tp),
-            "mlp.fc_in": (f * (2 if cfg.activation == "swiglu" else 1) // tp, h),
-            "mlp.fc_out": (h, f // tp)}
+    return {
+        "attn.qkv": ((cfg.n_heads + 2 * cfg.kv_heads) * d // tp, h),
+        "attn.proj": (h, cfg.n_heads * d // tp),
+        "mlp.fc_in": (f * (2 if cfg.activation == "swiglu" else 1) // tp, h),
+        "mlp.fc_out": (h, f // tp),
+    }
 
 
 def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
@@ -80,16 +82,30 @@ def block_params(cfg: ModelConfig, layer: int, tp: int) -> list[Param]:
         rows, cols = linears[name]
         return _linear(f"{p}.{name}", rows, cols, rows if cfg.bias else None)
 
-    return [*_norm(f"{p}.norm1", cfg), *linear("attn.qkv"), *linear("attn.proj"),
-            *_norm(f"{p}.norm2", cfg), *linear("mlp.fc_in"), *linear("mlp.fc_out")]
+    return [
+        *_norm(f"{p}.norm1", cfg),
+        *linear("attn.qkv"),
+        *linear("attn.proj"),
+        *_norm(f"{p}.norm2", cfg),
+        *linear("mlp.fc_in"),
+        *linear("mlp.fc_out"),
+    ]
 
 
-def rank_params(cfg: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int,
-                pp_layers: list[int] | tuple[int, ...] | None = None, v_shape: bool = False) -> Params:
+def rank_params(
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    vpp: int,
+    pp_rank: int,
+    pp_layers: list[int] | tuple[int, ...] | None = None,
+    v_shape: bool = False,
+) -> Params:
     """The parameters pipeline rank `pp_rank` holds on each of its TP ranks (all hold the same sizes);
     v_shape: the chunks sit in a V (zbv)."""
-    return _rank_params(model_key(cfg), tp, pp, vpp, pp_rank, tuple(pp_layers) if pp_layers is not None else None,
-                        v_shape)
+    return _rank_params(
+        model_key(cfg), tp, pp, vpp, pp_rank, tuple(pp_layers) if pp_layers is not None else None, v_shape
+    )
 
 
 _FIELDS = tuple(f.name for f in fields(ModelConfig))
@@ -101,11 +117,11 @@ def model_key(cfg: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_params(key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers: tuple[int, ...] | None,
-                 v_shape: bool) -> Params:
+def _rank_params(
+    key: tuple, tp: int, pp: int, vpp: int, pp_rank: int, pp_layers: tuple[int, ...] | None, v_shape: bool
+) -> Params:
     cfg = ModelConfig(*key)
-    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, list(pp_layers) if pp_layers is not None else None,
-                         v_shape)
+    chunks = rank_chunks(pp_rank, pp, vpp, cfg.n_layers, list(pp_layers) if pp_layers is not None else None, v_shape)
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
     vocab_rows = padded_vocab(cfg, tp) // tp
     out: list[Param] = []
@@ -130,7 +146,7 @@ def chunk_param_count(params: tuple[Param, ...], spec) -> int:
     total = 0
     for p in params:
         if p.name.startswith("blocks."):
-            total += p.numel if p.name[:p.name.index(".", 7) + 1] in layers else 0
+            total += p.numel if p.name[: p.name.index(".", 7) + 1] in layers else 0
         elif p.name.startswith(("wte.", "wpe.")):
             total += p.numel if spec.has_embedding or (spec.has_head and p.name.startswith("wte.")) else 0
         elif spec.has_head:

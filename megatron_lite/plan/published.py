@@ -25,8 +25,15 @@ from megatron_lite.plan.hardware import GPUS, Cluster
 from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.timing import System
 
-MEGATRON_2021 = System(name="Megatron-LM 2021", flash_attention=False, reduce_bytes=2, dp_overlap_stages=(),
-                       regather_sp=False, pp_scatter_gather=True, gathers_params=False)
+MEGATRON_2021 = System(
+    name="Megatron-LM 2021",
+    flash_attention=False,
+    reduce_bytes=2,
+    dp_overlap_stages=(),
+    regather_sp=False,
+    pp_scatter_gather=True,
+    gathers_params=False,
+)
 # 2022 adds sequence parallelism, whose backward all-gather Megatron overlaps with the weight-gradient GEMM
 MEGATRON_2022 = replace(MEGATRON_2021, name="Megatron-LM 2022")
 
@@ -46,29 +53,54 @@ class PublishedRun:
     batch: int
     micro_batch: int
     layers_per_virtual_stage: int | None
-    recompute: str      # full (2021) or selective with SP (2022)
-    published: float    # TFLOP/s per GPU (2021) or MFU (2022), in the paper's convention
+    recompute: str  # full (2021) or selective with SP (2022)
+    published: float  # TFLOP/s per GPU (2021) or MFU (2022), in the paper's convention
 
     @property
     def model(self) -> ModelConfig:
-        return ModelConfig(name=f"gpt-{self.params_b:g}b", n_layers=self.layers, n_heads=self.heads,
-                           d_model=self.hidden, vocab_size=VOCAB, seq_len=SEQ)
+        return ModelConfig(
+            name=f"gpt-{self.params_b:g}b",
+            n_layers=self.layers,
+            n_heads=self.heads,
+            d_model=self.hidden,
+            vocab_size=VOCAB,
+            seq_len=SEQ,
+        )
 
     @property
     def layout(self) -> Layout:
         """Their layout in our terms: ZeRO-1 holds fp16-style bf16 weights with fp32 master copies as Megatron's
         optimizer does (its partitioning over dp changes memory, not the time priced under their System)."""
         vpp = self.layers // self.pp // self.layers_per_virtual_stage if self.layers_per_virtual_stage else 1
-        return Layout(tp=self.tp, pp=self.pp, vpp=vpp, cp=1, dp=self.gpus // (self.tp * self.pp),
-                      sp=self.recompute == "selective", cp_mode="ring",
-                      schedule="interleaved" if vpp > 1 else "1f1b", zero_stage=1, offload_optimizer="none",
-                      offload_param="none", recompute=self.recompute, recompute_every=1,
-                      micro_batch_size=self.micro_batch, global_batch_size=self.batch)
+        return Layout(
+            tp=self.tp,
+            pp=self.pp,
+            vpp=vpp,
+            cp=1,
+            dp=self.gpus // (self.tp * self.pp),
+            sp=self.recompute == "selective",
+            cp_mode="ring",
+            schedule="interleaved" if vpp > 1 else "1f1b",
+            zero_stage=1,
+            offload_optimizer="none",
+            offload_param="none",
+            recompute=self.recompute,
+            recompute_every=1,
+            micro_batch_size=self.micro_batch,
+            global_batch_size=self.batch,
+        )
 
     @property
     def cluster(self) -> Cluster:
-        return Cluster(gpu=GPUS["a100-80gb"], gpus_per_node=8, nodes=max(1, self.gpus // 8), intra_node_GBps=300,
-                       inter_node_GBps=200, achievable=0.65, reserve_bytes=2 * 2**30)
+        return Cluster(
+            gpu=GPUS["a100-80gb"],
+            gpus_per_node=8,
+            nodes=max(1, self.gpus // 8),
+            intra_node_GBps=300,
+            inter_node_GBps=200,
+            achievable=0.65,
+            reserve_bytes=2 * 2**30,
+        )
 
     @property
     def system(self) -> System:
@@ -76,10 +108,10 @@ class PublishedRun:
 
     def flops_per_step(self) -> float:
         """FLOPs per step in the paper's own convention."""
-        B, s, l, h, V = self.batch, SEQ, self.layers, self.hidden, VOCAB
+        B, s, L, h, V = self.batch, SEQ, self.layers, self.hidden, VOCAB
         if self.recompute == "full":
-            return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
-        return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+            return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+        return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
     def in_their_terms(self, step_s: float) -> float:
         """A step time as the paper reports it: TFLOP/s per GPU (2021), MFU over 312 TFLOP/s (2022)."""
@@ -92,7 +124,9 @@ def _n(p, a, h, L, tp, pp, gpus, batch, tflops, micro, lpv):
 
 
 def _k(p, a, h, L, pp, gpus, batch, micro, lpv, mfu):
-    return PublishedRun("Korthikanti et al. 2022, Table 5", p, a, h, L, 8, pp, gpus, batch, micro, lpv, "selective", mfu)
+    return PublishedRun(
+        "Korthikanti et al. 2022, Table 5", p, a, h, L, 8, pp, gpus, batch, micro, lpv, "selective", mfu
+    )
 
 
 NARAYANAN_2021 = [
@@ -125,12 +159,25 @@ def row(run: PublishedRun, pick: bool = True) -> dict:
 
     theirs = predict(run.model, run.layout, run.cluster, "bf16", run.system)
     predicted = run.in_their_terms(theirs.step.total_s)
-    out = {"source": run.source, "model": f"{run.params_b:g}B", "gpus": run.gpus, "layout": " ".join(run.layout.overrides()),
-           "published": run.published, "predicted": predicted, "error": predicted / run.published - 1}
+    out = {
+        "source": run.source,
+        "model": f"{run.params_b:g}B",
+        "gpus": run.gpus,
+        "layout": " ".join(run.layout.overrides()),
+        "published": run.published,
+        "predicted": predicted,
+        "error": predicted / run.published - 1,
+    }
     if pick:
         ours_at_theirs = predict(run.model, run.layout, run.cluster)
         best = search(run.model, run.batch, run.cluster)[0]
-        out.update(ours_at_theirs_s=ours_at_theirs.step.total_s, ours_at_theirs_fits=ours_at_theirs.fits,
-                   picked=" ".join(best.layout.overrides()), picked_s=best.step.total_s,
-                   picked_tflops=best.tflops_per_gpu, picked_mfu=best.mfu, picked_gib=best.memory_bytes / 2**30)
+        out.update(
+            ours_at_theirs_s=ours_at_theirs.step.total_s,
+            ours_at_theirs_fits=ours_at_theirs.fits,
+            picked=" ".join(best.layout.overrides()),
+            picked_s=best.step.total_s,
+            picked_tflops=best.tflops_per_gpu,
+            picked_mfu=best.mfu,
+            picked_gib=best.memory_bytes / 2**30,
+        )
     return out

@@ -12,9 +12,18 @@ GIB = 2**30
 
 def layout_text(p: Prediction) -> str:
     lay = p.layout
-    parts = [f"dp {lay.dp}", f"tp {lay.tp}{' +sp' if lay.sp else ''}", f"cp {lay.cp}{f' {lay.cp_mode}' if lay.cp > 1 else ''}",
-             f"pp {lay.pp}", f"vpp {lay.vpp}", lay.schedule if lay.pp > 1 else "no pipeline", f"zero {lay.zero_stage}",
-             f"recompute {lay.recompute}", f"micro-batch {lay.micro_batch_size}", f"accumulation {lay.accumulation}"]
+    parts = [
+        f"dp {lay.dp}",
+        f"tp {lay.tp}{' +sp' if lay.sp else ''}",
+        f"cp {lay.cp}{f' {lay.cp_mode}' if lay.cp > 1 else ''}",
+        f"pp {lay.pp}",
+        f"vpp {lay.vpp}",
+        lay.schedule if lay.pp > 1 else "no pipeline",
+        f"zero {lay.zero_stage}",
+        f"recompute {lay.recompute}",
+        f"micro-batch {lay.micro_batch_size}",
+        f"accumulation {lay.accumulation}",
+    ]
     if lay.offload_optimizer != "none":
         parts.append(f"optimizer on {lay.offload_optimizer}")
     if lay.offload_param != "none":
@@ -30,35 +39,61 @@ def _where(p: Prediction) -> str:
 
 def check_line(p: Prediction, cluster: Cluster) -> str:
     """`--check` on success: the layout, memory against the GPU's, step time, throughput, MFU."""
-    return (f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
-            f"{p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
-            f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
-            "(predicted: docs/performance.md 'Choosing a layout')")
+    return (
+        f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
+        f"{p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
+        f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
+        "(predicted: docs/performance.md 'Choosing a layout')"
+    )
 
 
 def does_not_fit(p: Prediction, cluster: Cluster, fixes: list[tuple[list[str], Prediction]]) -> str:
     """`--check` when the layout is predicted not to fit: by how much, and the cheapest fix."""
     over = (p.memory_bytes - p.usable_bytes) / GIB
-    head = (f"the layout ({layout_text(p)}) is predicted to need {p.memory_bytes / GIB:.1f} GiB per GPU "
-            f"({_where(p)}), {over:.1f} GiB more than the {p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} "
-            "leaves to tensors")
+    head = (
+        f"the layout ({layout_text(p)}) is predicted to need {p.memory_bytes / GIB:.1f} GiB per GPU "
+        f"({_where(p)}), {over:.1f} GiB more than the {p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} "
+        "leaves to tensors"
+    )
     if not fixes:
-        return head + ("; no change of one or two knobs fits it: run on more GPUs (WORLD_SIZE; `train.py --plan "
-                       "cluster.nodes=N` ranks the layouts of N nodes)")
+        return head + (
+            "; no change of one or two knobs fits it: run on more GPUs (WORLD_SIZE; `train.py --plan "
+            "cluster.nodes=N` ranks the layouts of N nodes)"
+        )
     changes, fixed = fixes[0]
-    return (f"{head}; fastest fix: {' '.join(changes)} ({fixed.memory_bytes / GIB:.1f} GiB, step "
-            f"{fixed.step.total_s:.3g} s; `train.py --plan` lists every layout that fits)")
+    return (
+        f"{head}; fastest fix: {' '.join(changes)} ({fixed.memory_bytes / GIB:.1f} GiB, step "
+        f"{fixed.step.total_s:.3g} s; `train.py --plan` lists every layout that fits)"
+    )
 
 
 def row(p: Prediction) -> dict:
     lay = p.layout
-    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp, "sp": lay.sp,
-            "cp_mode": lay.cp_mode, "zero_stage": lay.zero_stage, "offload_optimizer": lay.offload_optimizer,
-            "offload_param": lay.offload_param, "recompute": lay.recompute, "recompute_every": lay.recompute_every,
-            "micro_batch_size": lay.micro_batch_size, "accumulation": lay.accumulation, "schedule": lay.schedule,
-            "memory_gib": round(p.memory_bytes / GIB, 3), "step_time_s": p.step.total_s,
-            "tokens_per_s": p.tokens_per_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "fits": p.fits,
-            "bubble": p.step.bubble, "overrides": " ".join(lay.overrides())}
+    return {
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "vpp": lay.vpp,
+        "cp": lay.cp,
+        "dp": lay.dp,
+        "sp": lay.sp,
+        "cp_mode": lay.cp_mode,
+        "zero_stage": lay.zero_stage,
+        "offload_optimizer": lay.offload_optimizer,
+        "offload_param": lay.offload_param,
+        "recompute": lay.recompute,
+        "recompute_every": lay.recompute_every,
+        "micro_batch_size": lay.micro_batch_size,
+        "accumulation": lay.accumulation,
+        "schedule": lay.schedule,
+        "memory_gib": round(p.memory_bytes / GIB, 3),
+        "step_time_s": p.step.total_s,
+        "tokens_per_s": p.tokens_per_s,
+        "tflops_per_gpu": p.tflops_per_gpu,
+        "mfu": p.mfu,
+        "fits": p.fits,
+        "bubble": p.step.bubble,
+        "overrides": " ".join(lay.overrides()),
+    }
 
 
 def write_json(path: str, predictions: list[Prediction]) -> None:
@@ -69,26 +104,39 @@ def write_json(path: str, predictions: list[Prediction]) -> None:
 def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str:
     """The `--plan` table: the fastest layouts that fit, each with the override line that runs it."""
     fitting = [p for p in predictions if p.fits]
-    where = (f"{cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name} ({cluster.usable_bytes / GIB:.1f} GiB "
-             "usable each)")
-    lines = [f"{len(fitting):,} layouts fit on {where}; the {min(top, len(fitting))} fastest:" if fitting else
-             f"no layout fits on {where}; the {min(top, len(predictions))} smallest:"]
-    header = f"{'#':>3} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>4} {'vpp':>3} {'dp':>5} {'zero':>4} {'recompute':>9} " \
-             f"{'micro':>5} {'GiB':>6} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>6}"
+    where = (
+        f"{cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name} ({cluster.usable_bytes / GIB:.1f} GiB "
+        "usable each)"
+    )
+    lines = [
+        f"{len(fitting):,} layouts fit on {where}; the {min(top, len(fitting))} fastest:"
+        if fitting
+        else f"no layout fits on {where}; the {min(top, len(predictions))} smallest:"
+    ]
+    header = (
+        f"{'#':>3} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>4} {'vpp':>3} {'dp':>5} {'zero':>4} {'recompute':>9} "
+        f"{'micro':>5} {'GiB':>6} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>6}"
+    )
     lines += [header, "-" * len(header)]
     for i, p in enumerate(predictions[:top], 1):
         lay = p.layout
         cp = f"{lay.cp}{'u' if lay.cp > 1 and lay.cp_mode == 'ulysses' else ''}"
         zero = f"{lay.zero_stage}{'o' if lay.offload_optimizer != 'none' else ''}"
-        lines.append(f"{i:>3} {lay.tp:>3} {'y' if lay.sp else '-':>3} {cp:>3} {lay.pp:>4} {lay.vpp:>3} {lay.dp:>5} "
-                     f"{zero:>4} {lay.recompute:>9} {lay.micro_batch_size:>5} {p.memory_bytes / GIB:>6.1f} "
-                     f"{p.step.total_s:>8.3g} {p.tokens_per_s:>11,.0f} {p.tflops_per_gpu:>7.0f} {100 * p.mfu:>5.1f}%")
+        lines.append(
+            f"{i:>3} {lay.tp:>3} {'y' if lay.sp else '-':>3} {cp:>3} {lay.pp:>4} {lay.vpp:>3} {lay.dp:>5} "
+            f"{zero:>4} {lay.recompute:>9} {lay.micro_batch_size:>5} {p.memory_bytes / GIB:>6.1f} "
+            f"{p.step.total_s:>8.3g} {p.tokens_per_s:>11,.0f} {p.tflops_per_gpu:>7.0f} {100 * p.mfu:>5.1f}%"
+        )
         lines.append(f"      {' '.join(lay.overrides())}")
-    lines.append("cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
-                 "(docs/performance.md 'Choosing a layout').")
+    lines.append(
+        "cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
+        "(docs/performance.md 'Choosing a layout')."
+    )
     if not fitting:
-        lines.append(f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "
-                     f"{cluster.usable_bytes / GIB:.1f}; more GPUs (cluster.nodes), a GPU with more memory "
-                     "(cluster.gpu) or a shorter model.seq_len would make room (the search does not offload ZeRO-3's parameters: "
-                     "`train.py --check` a layout with zero.offload_param=cpu).")
+        lines.append(
+            f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "
+            f"{cluster.usable_bytes / GIB:.1f}; more GPUs (cluster.nodes), a GPU with more memory "
+            "(cluster.gpu) or a shorter model.seq_len would make room (the search does not offload ZeRO-3's parameters: "
+            "`train.py --check` a layout with zero.offload_param=cpu)."
+        )
     return "\n".join(lines)

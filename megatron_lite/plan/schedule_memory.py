@@ -18,15 +18,19 @@ from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, iterations
 
 @dataclass(frozen=True)
 class Moment:
-    held: tuple[int, ...]       # micro-batches whose activations each chunk holds
-    backward: int | None        # the chunk whose backward is running (its transient applies), or None
-    grads: tuple[bool, ...]     # chunks that have run a backward before this moment
+    held: tuple[int, ...]  # micro-batches whose activations each chunk holds
+    backward: int | None  # the chunk whose backward is running (its transient applies), or None
+    grads: tuple[bool, ...]  # chunks that have run a backward before this moment
 
 
 def _dominated(a: Moment, b: Moment) -> bool:
     """b holds at least as much as a in every respect (so a never sets the peak alone)."""
-    return (a != b and all(x <= y for x, y in zip(a.held, b.held)) and all(x <= y for x, y in zip(a.grads, b.grads))
-            and (a.backward is None or a.backward == b.backward))
+    return (
+        a != b
+        and all(x <= y for x, y in zip(a.held, b.held))
+        and all(x <= y for x, y in zip(a.grads, b.grads))
+        and (a.backward is None or a.backward == b.backward)
+    )
 
 
 @functools.lru_cache(maxsize=8192)
@@ -52,9 +56,18 @@ def moments(schedule: str, pp: int, vpp: int, m: int, pp_rank: int) -> tuple[Mom
     return tuple(x for x in seen if not any(_dominated(x, y) for y in seen))
 
 
-def peak_activations(schedule: str, pp: int, vpp: int, m: int, pp_rank: int, per_micro: list[int],
-                     loss_transient: list[int], grad_transient: list[int], grad_bytes: list[int],
-                     held_once: int = 0) -> tuple[int, Moment]:
+def peak_activations(
+    schedule: str,
+    pp: int,
+    vpp: int,
+    m: int,
+    pp_rank: int,
+    per_micro: list[int],
+    loss_transient: list[int],
+    grad_transient: list[int],
+    grad_bytes: list[int],
+    held_once: int = 0,
+) -> tuple[int, Moment]:
     """(the most bytes held at once in the step's forwards and backwards, the moment it happens).
 
     per_micro[c]: bytes chunk c keeps per micro-batch in flight; grad_bytes[c]: gradient buffers that exist once

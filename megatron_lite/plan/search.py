@@ -12,8 +12,8 @@ user can still --check them). Every layout this yields passes validation.validat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.plan import Prediction, predict, predict_memory
@@ -43,17 +43,31 @@ class Space:
 
 
 # Layout keys the search does not vary (what it uses instead): --plan refuses them rather than ignore them
-UNSEARCHED = {"parallel.schedule": "the schedule auto picks", "parallel.pp_layers": "even layer splits",
-              "zero.offload_param": "no parameter offload", "train.recompute_every": "recompute_every 1",
-              "zero.nvme_path": "no NVMe offload"}
+UNSEARCHED = {
+    "parallel.schedule": "the schedule auto picks",
+    "parallel.pp_layers": "even layer splits",
+    "zero.offload_param": "no parameter offload",
+    "train.recompute_every": "recompute_every 1",
+    "zero.nvme_path": "no NVMe offload",
+}
 # `--plan` overrides that pin a searched knob: override key -> Layout field
-PINNABLE = {"parallel.tp": "tp", "parallel.sp": "sp", "parallel.cp": "cp", "parallel.cp_mode": "cp_mode",
-            "parallel.pp": "pp", "parallel.vpp": "vpp", "zero.stage": "zero_stage",
-            "zero.offload_optimizer": "offload_optimizer", "train.micro_batch_size": "micro_batch_size",
-            "train.recompute": "recompute"}
+PINNABLE = {
+    "parallel.tp": "tp",
+    "parallel.sp": "sp",
+    "parallel.cp": "cp",
+    "parallel.cp_mode": "cp_mode",
+    "parallel.pp": "pp",
+    "parallel.vpp": "vpp",
+    "zero.stage": "zero_stage",
+    "zero.offload_optimizer": "offload_optimizer",
+    "train.micro_batch_size": "micro_batch_size",
+    "train.recompute": "recompute",
+}
 
 
-def layouts(model: ModelConfig, global_batch: int, world: int, gpus_per_node: int, space: Space = Space()) -> Iterator[Layout]:
+def layouts(
+    model: ModelConfig, global_batch: int, world: int, gpus_per_node: int, space: Space = Space()
+) -> Iterator[Layout]:
     """Every layout of the search space for `world` ranks (see the module docstring)."""
     for tp, sp, cp, mode, pp, vpp, dp in splits(model, world, gpus_per_node):
         yield from _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space)
@@ -65,7 +79,7 @@ def splits(model: ModelConfig, world: int, gpus_per_node: int) -> Iterator[tuple
     for tp in divisors(world):
         if gpus_per_node % tp or h_q % tp or h_kv % tp or f % tp:  # a TP group inside a node
             continue
-        for sp in ((False, True) if tp > 1 and s % tp == 0 else (False,)):
+        for sp in (False, True) if tp > 1 and s % tp == 0 else (False,):
             for cp in divisors(world // tp):
                 chunks = 2 * cp * (tp if sp else 1)
                 if cp > 1 and (s % chunks or s // (2 * cp) < MIN_CP_CHUNK):
@@ -96,33 +110,63 @@ def _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space) -> Itera
             offloads = ("none", "cpu") if space.offload and zero >= 1 else ("none",)
             for recompute in space.recompute:
                 for offload in offloads:
-                    layout = Layout(tp=tp, pp=pp, vpp=vpp, cp=cp, dp=dp, sp=sp, cp_mode=mode,
-                                    schedule="interleaved" if vpp > 1 else "1f1b", zero_stage=zero,
-                                    offload_optimizer=offload, offload_param="none", recompute=recompute,
-                                    recompute_every=1, micro_batch_size=micro, global_batch_size=global_batch)
+                    layout = Layout(
+                        tp=tp,
+                        pp=pp,
+                        vpp=vpp,
+                        cp=cp,
+                        dp=dp,
+                        sp=sp,
+                        cp_mode=mode,
+                        schedule="interleaved" if vpp > 1 else "1f1b",
+                        zero_stage=zero,
+                        offload_optimizer=offload,
+                        offload_param="none",
+                        recompute=recompute,
+                        recompute_every=1,
+                        micro_batch_size=micro,
+                        global_batch_size=global_batch,
+                    )
                     if space.admits(layout):
                         yield layout
 
 
-def search(model: ModelConfig, global_batch: int, cluster: Cluster, precision: str = "bf16",
-           system: System = OURS, space: Space = Space()) -> list[Prediction]:
+def search(
+    model: ModelConfig,
+    global_batch: int,
+    cluster: Cluster,
+    precision: str = "bf16",
+    system: System = OURS,
+    space: Space = Space(),
+) -> list[Prediction]:
     """Every layout that fits, fastest first; if none fits, also those with CPU offload; if still none, the
     layouts that do not fit, smallest memory first (each has .fits False). Time is priced only for layouts that
     fit (memory is the cheaper half), except when none does."""
     world = cluster.world_size
-    found = [(lay, predict_memory(model, lay, precision)) for lay in
-             layouts(model, global_batch, world, cluster.gpus_per_node, space)]
+    found = [
+        (lay, predict_memory(model, lay, precision))
+        for lay in layouts(model, global_batch, world, cluster.gpus_per_node, space)
+    ]
     usable = cluster.usable_bytes
     fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
     if not fitting and not space.offload:
-        found += [(lay, predict_memory(model, lay, precision)) for lay in
-                  layouts(model, global_batch, world, cluster.gpus_per_node,
-                          Space(space.zero_stages, space.recompute, offload=True, pinned=space.pinned))
-                  if lay.offload_optimizer != "none"]
+        found += [
+            (lay, predict_memory(model, lay, precision))
+            for lay in layouts(
+                model,
+                global_batch,
+                world,
+                cluster.gpus_per_node,
+                Space(space.zero_stages, space.recompute, offload=True, pinned=space.pinned),
+            )
+            if lay.offload_optimizer != "none"
+        ]
         fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
     if fitting:
-        return sorted((predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in fitting),
-                      key=lambda p: p.step.total_s)
+        return sorted(
+            (predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in fitting),
+            key=lambda p: p.step.total_s,
+        )
     smallest = sorted(found, key=lambda item: max(r.peak for r in item[1]))[:20]
     return [predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in smallest]
 
@@ -132,26 +176,32 @@ def why_none(model: ModelConfig, global_batch: int, world: int, gpus_per_node: i
     splits the model, so some data-parallel sizes exist; none divides the batch or leaves a pipeline enough
     micro-batches)."""
     if space.pinned and any(True for _ in layouts(model, global_batch, world, gpus_per_node)):
-        pins = " ".join(f"{key}={_typed(value)}" for key, name in PINNABLE.items() for field, value in space.pinned
-                        if field == name)
+        pins = " ".join(
+            f"{key}={_typed(value)}" for key, name in PINNABLE.items() for field, value in space.pinned if field == name
+        )
         return f"no layout of {world} GPUs has {pins}; pin fewer settings, or none to rank every layout"
     dps = sorted({dp for *_, dp in splits(model, world, gpus_per_node)})
-    return (f"no layout of {world} GPUs takes train.global_batch_size={global_batch}: each data-parallel replica "
-            f"takes whole micro-batches (a pipeline at least pp of them), and this model's shape allows dp in "
-            f"{dps} here; use train.global_batch_size={-(-global_batch // world) * world}, or another number of GPUs")
+    return (
+        f"no layout of {world} GPUs takes train.global_batch_size={global_batch}: each data-parallel replica "
+        f"takes whole micro-batches (a pipeline at least pp of them), and this model's shape allows dp in "
+        f"{dps} here; use train.global_batch_size={-(-global_batch // world) * world}, or another number of GPUs"
+    )
 
 
 def _typed(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def fixes(model: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16",
-          system: System = OURS) -> list[tuple[list[str], Prediction]]:
+def fixes(
+    model: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16", system: System = OURS
+) -> list[tuple[list[str], Prediction]]:
     """Changes of one or two knobs that make `layout` fit, fastest first, as (the overrides, the prediction)."""
     world, out = layout.world_size, []
-    candidates = [lay for lay in layouts(model, layout.global_batch_size, world, cluster.gpus_per_node,
-                                         Space(offload=True))
-                  if _distance(lay, layout) <= 2]
+    candidates = [
+        lay
+        for lay in layouts(model, layout.global_batch_size, world, cluster.gpus_per_node, Space(offload=True))
+        if _distance(lay, layout) <= 2
+    ]
     for lay in candidates:
         pred = predict(model, lay, cluster, precision, system)
         if pred.fits:

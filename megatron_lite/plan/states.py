@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from megatron_lite.plan.params import Param
 
 BUCKET = 50_000_000  # reduce_bucket_size (elements), engine/ds_config.py
-PERSIST = 100_000    # ZeRO-3 stage3_param_persistence_threshold (elements), DeepSpeed's default
+PERSIST = 100_000  # ZeRO-3 stage3_param_persistence_threshold (elements), DeepSpeed's default
 MAX_LIVE = 1_000_000_000  # ZeRO-3 stage3_max_live_parameters (elements), DeepSpeed's default
 FALLBACK_BUCKET = 500_000_000  # engine.allreduce_gradients' bucket (elements), ZeRO-0's flatten
 
@@ -52,19 +52,19 @@ FALLBACK_BUCKET = 500_000_000  # engine.allreduce_gradients' bucket (elements), 
 class States:
     """One rank's bytes, by what holds them. Device bytes unless named host."""
 
-    params: int     # DeepSpeed's parameters: flat buffers, ZeRO-3 partitions and whole persistent ones
-    grads: int      # gradient buffers kept from step to step (BF16_Optimizer's fp32 flat, ZeRO-3's partitions)
+    params: int  # DeepSpeed's parameters: flat buffers, ZeRO-3 partitions and whole persistent ones
+    grads: int  # gradient buffers kept from step to step (BF16_Optimizer's fp32 flat, ZeRO-3's partitions)
     optimizer: int  # fp32 master copy, AdamW moments and step counters (on the device)
-    buffers: int    # ZeRO-3's reduce bucket, offload staging buffers, scalars DeepSpeed keeps
-    host: int       # offloaded master, moments, gradients and ZeRO-3 parameters
+    buffers: int  # ZeRO-3's reduce bucket, offload staging buffers, scalars DeepSpeed keeps
+    host: int  # offloaded master, moments, gradients and ZeRO-3 parameters
     step_grads: int  # gradients a chunk's backward leaves allocated until the optimizer step
-    backward: int   # allocated during each backward only (ZeRO-2's buckets, ZeRO-3's reduce buffers)
-    step: int       # the optimizer step's own temporaries, on top of everything held then
-    reduce: int = 0       # ZeRO-2's reduction copies at the end of each backward (next to `backward`)
+    backward: int  # allocated during each backward only (ZeRO-2's buckets, ZeRO-3's reduce buffers)
+    step: int  # the optimizer step's own temporaries, on top of everything held then
+    reduce: int = 0  # ZeRO-2's reduction copies at the end of each backward (next to `backward`)
     bucket_held: int = 0  # ZeRO-1's reduce bucket: from the step's first parameter gradient to the step
-    step_held: int = 0    # ZeRO-3's gathered parameters: from the step's first forward to its last backward
+    step_held: int = 0  # ZeRO-3's gathered parameters: from the step's first forward to its last backward
     host_optimizer: int = 0  # of `host`: the offloaded master weights and moments
-    host_params: int = 0     # of `host`: ZeRO-3's offloaded parameter partitions
+    host_params: int = 0  # of `host`: ZeRO-3's offloaded parameter partitions
 
     @property
     def persistent(self) -> int:
@@ -93,8 +93,15 @@ def _overlapping(params: list[Param], groups: list[list[Param]], N: int) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
-def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offload_optimizer: bool = False,
-                offload_param: bool = False, cuda: bool = True) -> States:
+def zero_states(
+    params: tuple[Param, ...],
+    N: int,
+    stage: int,
+    bf16: bool,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    cuda: bool = True,
+) -> States:
     """States of one rank holding `params` (plan/params.py) with N ranks sharing them."""
     groups = [[p for p in params if p.decay], [p for p in params if not p.decay]]
     n = [sum(p.numel for p in g) for g in groups]
@@ -102,8 +109,16 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
     steps = 4 * sum(1 for g in n if g)  # a 0-d fp32 step per non-empty group (torch AdamW)
     if stage == 0:  # the step: the flatten when there is a DP/cp average to take (torch's fused AdamW and the
         #             foreach norm allocate nothing of the parameters' size)
-        return States(params=4 * P, grads=0, optimizer=8 * P + 4 * count, buffers=0, host=0, step_grads=4 * P,
-                      backward=0, step=4 * min(P, FALLBACK_BUCKET) if N > 1 else 0)
+        return States(
+            params=4 * P,
+            grads=0,
+            optimizer=8 * P + 4 * count,
+            buffers=0,
+            host=0,
+            step_grads=4 * P,
+            backward=0,
+            step=4 * min(P, FALLBACK_BUCKET) if N > 1 else 0,
+        )
     b = 2 if bf16 else 4
     if stage in (1, 2):
         A = [_aligned(x, N) if x else 0 for x in n]
@@ -114,26 +129,68 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
             if stage == 2 and not bf16:  # accumulated_grads_in_cpu: every overlapping parameter, whole, kept
                 host += b * _overlapping(params, groups, N)
             if stage == 1:  # the bucket (fp32) and the gradients (fp32 .grad, or bf16's fp32 grad_accum)
-                return States(params=b * sum(A), grads=0, optimizer=0, buffers=b * m + norm, host=host,
-                              step_grads=4 * P, backward=0, step=8 * m, bucket_held=4 * BUCKET,
-                              host_optimizer=12 * sum(S))
-            return States(params=b * sum(A), grads=0, optimizer=0, buffers=b * m + norm, host=host, step_grads=0,
-                          backward=_bucket(stage, b, cuda, P), step=8 * m, host_optimizer=12 * sum(S),
-                          reduce=_reduce_copies(b, P))
+                return States(
+                    params=b * sum(A),
+                    grads=0,
+                    optimizer=0,
+                    buffers=b * m + norm,
+                    host=host,
+                    step_grads=4 * P,
+                    backward=0,
+                    step=8 * m,
+                    bucket_held=4 * BUCKET,
+                    host_optimizer=12 * sum(S),
+                )
+            return States(
+                params=b * sum(A),
+                grads=0,
+                optimizer=0,
+                buffers=b * m + norm,
+                host=host,
+                step_grads=0,
+                backward=_bucket(stage, b, cuda, P),
+                step=8 * m,
+                host_optimizer=12 * sum(S),
+                reduce=_reduce_copies(b, P),
+            )
         optimizer = 4 * sum(S) + 8 * sum(S) + steps
         flat_partition = 4 * max(S)
         adam = _adam_temp(S, S, cuda)
         if stage == 1 and bf16:  # BF16_Optimizer
-            return States(params=2 * sum(A), grads=4 * sum(A), optimizer=optimizer, buffers=norm, host=0,
-                          step_grads=2 * P, backward=0, step=max(4 * sum(A), adam))
+            return States(
+                params=2 * sum(A),
+                grads=4 * sum(A),
+                optimizer=optimizer,
+                buffers=norm,
+                host=0,
+                step_grads=2 * P,
+                backward=0,
+                step=max(4 * sum(A), adam),
+            )
         if stage == 1:
-            return States(params=b * sum(A), grads=0, optimizer=optimizer, buffers=norm, host=0,
-                          step_grads=4 * P, backward=0, step=max(flat_partition + 8 * m, adam),
-                          bucket_held=4 * BUCKET)
+            return States(
+                params=b * sum(A),
+                grads=0,
+                optimizer=optimizer,
+                buffers=norm,
+                host=0,
+                step_grads=4 * P,
+                backward=0,
+                step=max(flat_partition + 8 * m, adam),
+                bucket_held=4 * BUCKET,
+            )
         held = 4 * sum(S) if bf16 else 4 * _overlapping(params, groups, N)
-        return States(params=b * sum(A), grads=0, optimizer=optimizer, buffers=norm, host=0, step_grads=held,
-                      backward=_bucket(2, b, cuda, P), step=max((0 if bf16 else flat_partition) + 8 * m, adam),
-                      reduce=_reduce_copies(b, P))
+        return States(
+            params=b * sum(A),
+            grads=0,
+            optimizer=optimizer,
+            buffers=norm,
+            host=0,
+            step_grads=held,
+            backward=_bucket(2, b, cuda, P),
+            step=max((0 if bf16 else flat_partition) + 8 * m, adam),
+            reduce=_reduce_copies(b, P),
+        )
     # ZeRO-3
     shards = [sum(math.ceil(p.numel / N) for p in g) for g in groups]
     whole = sum(math.ceil(p.numel / N) * N for p in params if p.numel <= PERSIST) if N > 1 else 0
@@ -149,10 +206,19 @@ def zero_states(params: tuple[Param, ...], N: int, stage: int, bf16: bool, offlo
     else:
         host, optimizer, grads = 0, 4 * sum(shards) + 8 * sum(shards) + steps, 4 * sum(shards)
     host_params = partitions if offload_param else 0
-    return States(params=partitions - host_params + b * whole, grads=grads, optimizer=optimizer,
-                  buffers=4 * BUCKET + scalars, host=host + host_params, step_grads=0, step_held=b * gathered,
-                  backward=_zero3_reduce(shards, N, m), step=max(4 * max(shards), _adam_temp(shards, shards, cuda)),
-                  host_optimizer=12 * sum(shards) if offload_optimizer else 0, host_params=host_params)
+    return States(
+        params=partitions - host_params + b * whole,
+        grads=grads,
+        optimizer=optimizer,
+        buffers=4 * BUCKET + scalars,
+        host=host + host_params,
+        step_grads=0,
+        step_held=b * gathered,
+        backward=_zero3_reduce(shards, N, m),
+        step=max(4 * max(shards), _adam_temp(shards, shards, cuda)),
+        host_optimizer=12 * sum(shards) if offload_optimizer else 0,
+        host_params=host_params,
+    )
 
 
 def _zero3_reduce(shards: list[int], N: int, m: int) -> int:

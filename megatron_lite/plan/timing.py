@@ -51,11 +51,11 @@ class System:
 
     name: str = "megatron_lite"
     flash_attention: bool = True  # the core keeps its scores on chip and skips masked blocks
-    reduce_bytes: int = 4         # DP gradient reduction dtype (DeepSpeed: communication_data_type=fp32)
+    reduce_bytes: int = 4  # DP gradient reduction dtype (DeepSpeed: communication_data_type=fp32)
     dp_overlap_stages: tuple[int, ...] = (2, 3)  # ZeRO stages whose gradient reduction overlaps backward
-    regather_sp: bool = True      # SP column-parallel layers all-gather their input again in backward
+    regather_sp: bool = True  # SP column-parallel layers all-gather their input again in backward
     pp_scatter_gather: bool = False  # pipeline messages split over TP ranks, gathered over NVLink after
-    gathers_params: bool = True   # ZeRO 1-3 all-gather the updated parameters after the step
+    gathers_params: bool = True  # ZeRO 1-3 all-gather the updated parameters after the step
 
 
 OURS = System()
@@ -63,20 +63,28 @@ OURS = System()
 
 @dataclass(frozen=True)
 class StepTime:
-    compute_s: float     # GEMMs and attention on the slowest pipeline rank, all micro-batches
-    memory_s: float      # element-wise work there
-    tp_s: float          # tensor-parallel collectives there
-    cp_s: float          # exposed context-parallel communication there
-    pp_s: float          # pipeline messages there
-    bubble_s: float      # idle pipeline time
-    dp_s: float          # exposed data-parallel / ZeRO communication
+    compute_s: float  # GEMMs and attention on the slowest pipeline rank, all micro-batches
+    memory_s: float  # element-wise work there
+    tp_s: float  # tensor-parallel collectives there
+    cp_s: float  # exposed context-parallel communication there
+    pp_s: float  # pipeline messages there
+    bubble_s: float  # idle pipeline time
+    dp_s: float  # exposed data-parallel / ZeRO communication
     optimizer_s: float
-    bubble: float        # the schedule's bubble as a share of ideal time
+    bubble: float  # the schedule's bubble as a share of ideal time
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.memory_s + self.tp_s + self.cp_s + self.pp_s + self.bubble_s + self.dp_s
-                + self.optimizer_s)
+        return (
+            self.compute_s
+            + self.memory_s
+            + self.tp_s
+            + self.cp_s
+            + self.pp_s
+            + self.bubble_s
+            + self.dp_s
+            + self.optimizer_s
+        )
 
 
 @dataclass(frozen=True)
@@ -93,11 +101,16 @@ class _Work:
     def total(self) -> float:
         return self.compute + self.memory + self.tp + self.cp + self.pp
 
-    def __add__(self, other: "_Work") -> "_Work":
-        return _Work(self.compute + other.compute, self.memory + other.memory, self.tp + other.tp,
-                     self.cp + other.cp, self.pp + other.pp)
+    def __add__(self, other: _Work) -> _Work:
+        return _Work(
+            self.compute + other.compute,
+            self.memory + other.memory,
+            self.tp + other.tp,
+            self.cp + other.cp,
+            self.pp + other.pp,
+        )
 
-    def scale(self, k: float) -> "_Work":
+    def scale(self, k: float) -> _Work:
         return _Work(self.compute * k, self.memory * k, self.tp * k, self.cp * k, self.pp * k)
 
 
@@ -117,8 +130,15 @@ def schedule_bubble(name: str, pp: int, vpp: int, m: int) -> float:
 class StepModel:
     """Prices one layout of one model on one cluster."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16",
-                 system: System = OURS, dropout: bool | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: Layout,
+        cluster: Cluster,
+        precision: str = "bf16",
+        system: System = OURS,
+        dropout: bool | None = None,
+    ):
         self.cfg, self.lay, self.cluster, self.system = cfg, layout, cluster, system
         self.act = 2 if precision == "bf16" else 4
         peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops
@@ -218,8 +238,13 @@ class StepModel:
         recomputed = set(range(0, cfg.n_layers, lay.recompute_every)) if lay.recompute == "full" else set()
         stages = stage_layers(cfg.n_layers, lay.pp, lay.vpp, list(lay.pp_layers) if lay.pp_layers else None)
         last = lay.pp * lay.vpp - 1
-        message = self.pp_link.p2p(self.T * cfg.d_model * self.act / (lay.tp if lay.sp or self.system.pp_scatter_gather
-                                                                        else 1)) if lay.pp > 1 else 0.0
+        message = (
+            self.pp_link.p2p(
+                self.T * cfg.d_model * self.act / (lay.tp if lay.sp or self.system.pp_scatter_gather else 1)
+            )
+            if lay.pp > 1
+            else 0.0
+        )
         ranks = []
         for r in range(lay.pp):
             chunks = []

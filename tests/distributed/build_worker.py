@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config, ModelConfig, ParallelConfig, ZeroConfig
-from megatron_lite.engine.ds_config import deepspeed_config
 from megatron_lite.engine import Engine
+from megatron_lite.engine.ds_config import deepspeed_config
 from megatron_lite.model.build import build_model, zero3_partitioner
-from megatron_lite.model.layout import segments_of
 from megatron_lite.model.gpt import GPT
-from megatron_lite.parallel.context import ParallelContext, init_distributed
+from megatron_lite.model.layout import segments_of
 from megatron_lite.model.parallelize import parallelize
+from megatron_lite.parallel.context import ParallelContext, init_distributed
 from megatron_lite.pipeline.partition import rank_chunks
 from tests.distributed.rank_runner import leave_world
 
@@ -30,9 +30,21 @@ from tests.distributed.rank_runner import leave_world
 # also covers padding that depends on tp.
 FLAVOURS = {
     "gpt2": dict(n_layers=4, n_heads=4, d_model=64, vocab_size=1000, vocab_multiple=48, seq_len=16),
-    "llama-gqa": dict(n_layers=4, n_heads=8, n_kv_heads=4, d_model=64, ffn_hidden=96, vocab_size=1000,
-                      vocab_multiple=48, seq_len=16, norm="rmsnorm", activation="swiglu", position="rope",
-                      bias=False, tie_embeddings=False),
+    "llama-gqa": dict(
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        d_model=64,
+        ffn_hidden=96,
+        vocab_size=1000,
+        vocab_multiple=48,
+        seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -67,14 +79,22 @@ def check_tp_shards(ctx: ParallelContext) -> None:
         for sp in (False, True):
             for pp, vpp in ((1, 1), (2, 1), (2, 2)):
                 for pp_rank in range(pp):
-                    check_tp_case(ctx, ModelConfig(**kw), sp, pp, vpp, pp_rank,
-                                  f"{flavour} tp=2 sp={sp} pp={pp} vpp={vpp} pp_rank={pp_rank}")
+                    check_tp_case(
+                        ctx,
+                        ModelConfig(**kw),
+                        sp,
+                        pp,
+                        vpp,
+                        pp_rank,
+                        f"{flavour} tp=2 sp={sp} pp={pp} vpp={vpp} pp_rank={pp_rank}",
+                    )
     if dist.get_rank() == 0:
         print("tp shards: meta build == whole model cut and sharded == tp=1 model, bitwise")
 
 
-def check_tp_case(ctx: ParallelContext, model_cfg: ModelConfig, sp: bool, pp: int, vpp: int, pp_rank: int,
-                  tag: str) -> None:
+def check_tp_case(
+    ctx: ParallelContext, model_cfg: ModelConfig, sp: bool, pp: int, vpp: int, pp_rank: int, tag: str
+) -> None:
     cfg = Config(model=model_cfg, parallel=ParallelConfig(tp=2, pp=pp, vpp=vpp, sp=sp), seed=77)
     rank_ctx = dataclasses.replace(ctx, pp_rank=pp_rank, pp_size=pp)
     built = build_model(cfg, rank_ctx)

@@ -20,8 +20,14 @@ from tests.distributed.launcher import ROOT, SCRATCH
 
 # 8 sequences per step: accumulation 4 at dp=1, 2 at dp=2, 1 at dp=4 (same global batch every time).
 BASE = [
-    "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
-    "optim.lr=3e-3", "checkpoint.interval=0", "checkpoint.resume=never", "logging.wandb.mode=disabled",
+    "train.steps=6",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    "checkpoint.interval=0",
+    "checkpoint.resume=never",
+    "logging.wandb.mode=disabled",
     "train.precision=fp32",
 ]
 
@@ -65,8 +71,7 @@ def write_prepared(path, splits: dict[str, np.ndarray], vocab: int) -> str:
     for split, ids in splits.items():
         ids.astype(np.uint16).tofile(os.path.join(path, f"{split}.bin"))
     with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": vocab, **{f"{s}_tokens": len(ids) for s, ids in splits.items()}},
-                  f)
+        json.dump({"dtype": "uint16", "vocab_size": vocab, **{f"{s}_tokens": len(ids) for s, ids in splits.items()}}, f)
     return str(path)
 
 
@@ -94,8 +99,9 @@ def max_relative_diff(a: list[float], b: list[float]) -> float:
 
 def assert_same_hf_export(tmp_path, names: tuple[str, str], tol: float) -> None:
     """Export the checkpoints of two runs (run.dir = tmp_path/<name>) to HF and compare every tensor (max abs)."""
-    from tools.convert_hf import export_hf
     from transformers import AutoModelForCausalLM
+
+    from tools.convert_hf import export_hf
 
     models = []
     for name in names:

@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
-from megatron_lite.parallel.context import ParallelContext
-from megatron_lite.parallel import context_parallel
-from megatron_lite.parallel.context_parallel import ring_attention, shard_sequence
+from megatron_lite.model.parallelize import parallelize
 from megatron_lite.model.parallelize_cp import cp_parallelize
+from megatron_lite.parallel import context_parallel
+from megatron_lite.parallel.context import ParallelContext
+from megatron_lite.parallel.context_parallel import ring_attention, shard_sequence
 from megatron_lite.parallel.layers import shard_segments
 from megatron_lite.parallel.random import keep_mask
-from megatron_lite.model.parallelize import parallelize
 from tests.distributed.tp_worker import FLAVOURS, relative_error, segments_of, worse, worst_over_ranks
 
 # In fp32 the cp model only reorders additions: attention over key blocks merged by log-sum-exp (ring) or
@@ -75,8 +75,9 @@ def compare(ctx: ParallelContext, flavour: str, mode: str, backend: str, worst: 
         for name, p in model.named_parameters():
             want = serial_params[name].grad
             if getattr(p, "tensor_model_parallel", False):
-                want = shard_segments(want, segments_of(name, cfg, want, p.partition_dim), p.partition_dim,
-                                      ctx.tp_group)
+                want = shard_segments(
+                    want, segments_of(name, cfg, want, p.partition_dim), p.partition_dim, ctx.tp_group
+                )
             if p.grad is None or p.grad.shape != want.shape:
                 raise AssertionError(f"{tag}: {name} has no gradient or the wrong shape")
             got = p.grad.clone()
@@ -100,8 +101,14 @@ def dropout_reproduces(ctx: ParallelContext, mode: str, worst: dict) -> None:
     if torch.equal(undropped, runs["none"][0]):
         raise AssertionError(f"dropout cp=2 ({mode}): dropout changed nothing")
     worst[f"dropout cp=2 ({mode}) recompute full/selective and rerun: bitwise"] = reduce(
-        worse, ((got - want).abs().max().item() for recompute in ("full", "selective", "none again")
-                for got, want in zip(runs[recompute], runs["none"])), 0.0)
+        worse,
+        (
+            (got - want).abs().max().item()
+            for recompute in ("full", "selective", "none again")
+            for got, want in zip(runs[recompute], runs["none"])
+        ),
+        0.0,
+    )
 
 
 def ring_matches_masked_attention(ctx: ParallelContext, worst: dict, p: float, fused: bool) -> None:
@@ -114,12 +121,20 @@ def ring_matches_masked_attention(ctx: ParallelContext, worst: dict, p: float, f
     g = torch.Generator().manual_seed(11)
     q, k, v, grad = (torch.randn(b, h, s, hd, generator=g) for h in (heads, kv_heads, kv_heads, heads))
     c, key, tile = s // (2 * cp), (7, 1, 0, 2, "attn_probs"), context_parallel.ROW_TILE
-    keep = torch.cat([torch.cat([keep_mask((*key, i, j, t), None, (b, heads, min(tile, c - t), c), p, q.device)
-                                 for j in range(2 * cp)], dim=-1) for i in range(2 * cp) for t in range(0, c, tile)],
-                     dim=-2)  # one mask per (query chunk, key chunk, tile of query rows)
+    keep = torch.cat(
+        [
+            torch.cat(
+                [keep_mask((*key, i, j, t), None, (b, heads, min(tile, c - t), c), p, q.device) for j in range(2 * cp)],
+                dim=-1,
+            )
+            for i in range(2 * cp)
+            for t in range(0, c, tile)
+        ],
+        dim=-2,
+    )  # one mask per (query chunk, key chunk, tile of query rows)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     fq, fk, fv = full[0], *(x.repeat_interleave(heads // kv_heads, dim=1) for x in full[1:])
-    scores = (fq @ fk.transpose(-1, -2) / hd ** 0.5).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -torch.inf)
+    scores = (fq @ fk.transpose(-1, -2) / hd**0.5).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), -torch.inf)
     want = (scores.softmax(-1) * keep / (1 - p)) @ fv
     want.backward(grad)
     local = [shard_sequence(x, 2, cp, r).requires_grad_() for x in (q, k, v)]
@@ -133,7 +148,7 @@ def ring_matches_masked_attention(ctx: ParallelContext, worst: dict, p: float, f
         raise AssertionError(f"ring attention dropout={p} fused={fused}: the fused kernel ran {len(calls)} times")
     tag = f"ring attention cp={cp} dropout={p} ({kernel} blocks): output and dq, dk, dv"
     check(tag, relative_error(got, shard_sequence(want, 2, cp, r)), worst)
-    for name, x, ref in zip("qkv", local, full):
+    for _name, x, ref in zip("qkv", local, full):
         check(tag, relative_error(x.grad, shard_sequence(ref.grad, 2, cp, r)), worst)
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import gpt as gpt_module
 from megatron_lite.model.gpt import GPT
-from megatron_lite.parallel import random as tp_random
 from megatron_lite.model.parallelize import parallelize
+from megatron_lite.parallel import random as tp_random
 from tests.distributed.rank_runner import leave_world
 
 

@@ -16,8 +16,7 @@ _real_save = torch.save
 
 
 def _save_then_die(obj, f, *args, **kwargs):
-    if (os.environ["RANK"] == os.environ["KILL_RANK"] and isinstance(f, str)
-            and os.environ["KILL_TAG"] in f):
+    if os.environ["RANK"] == os.environ["KILL_RANK"] and isinstance(f, str) and os.environ["KILL_TAG"] in f:
         time.sleep(float(os.environ.get("SLOW_WRITE_S", "0")))  # a slow disk: the loop goes on meanwhile (async)
         with open(f, "wb") as out:
             out.write(b"truncated")

@@ -21,6 +21,7 @@ from megatron_lite.engine import Engine
 from megatron_lite.training import run
 from tests.distributed import worker
 from tests.distributed.launcher import ROOT
+
 COUNTS = {"device_syncs": Counter(), "host_reads": Counter(), "cuda_syncs": Counter()}
 _inside = [False]  # whether a train_step is running
 
@@ -29,8 +30,10 @@ def _site() -> str:
     """The innermost frame outside this file and torch's own wrappers: who asked."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         if frame.filename != __file__ and f"{os.sep}torch{os.sep}" not in frame.filename:
-            return f"{os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else frame.filename}" \
-                   f":{frame.lineno}"
+            return (
+                f"{os.path.relpath(frame.filename, ROOT) if frame.filename.startswith(ROOT) else frame.filename}"
+                f":{frame.lineno}"
+            )
     return "?"
 
 
@@ -39,6 +42,7 @@ def _counting(kind: str, method):
         if _inside[0]:
             COUNTS[kind][_site()] += 1
         return method(*args, **kwargs)
+
     return counted
 
 
@@ -67,6 +71,7 @@ def install() -> None:
             return out
         finally:
             _inside[0] = False
+
     Engine.train_step = counted_train_step
 
 

@@ -46,8 +46,16 @@ def clean_shared_memory() -> None:
 
 
 def torchrun_cmd(nproc: int, script: str, *args: str, max_restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", f"--max-restarts={max_restarts}", script, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        f"--max-restarts={max_restarts}",
+        script,
+        *args,
+    ]
 
 
 def rank_env(**extra: str) -> dict:
@@ -108,8 +116,9 @@ def run_configs(nproc: int, runs: list[list[str]], tmp_path, timeout: int = 900,
         return [summary for spec in specs for summary in _summaries(spec)]
     spec = _spec(f"{name}.json", runs)
     try:
-        proc = subprocess.run(torchrun_cmd(nproc, worker, spec), env=rank_env(), cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            torchrun_cmd(nproc, worker, spec), env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
     finally:
         clean_shared_memory()
     if proc.returncode != 0:

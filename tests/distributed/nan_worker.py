@@ -14,8 +14,7 @@ MICROBATCH = os.environ.get("NAN_MICROBATCH")
 
 def _forward_with_nan(self, inputs, labels=None, chunk=0, rng_key=None):
     out = _forward(self, inputs, labels, chunk=chunk, rng_key=rng_key)
-    if (labels is not None and rng_key is not None and rng_key[0] in STEPS
-            and MICROBATCH in (None, str(rng_key[1]))):
+    if labels is not None and rng_key is not None and rng_key[0] in STEPS and MICROBATCH in (None, str(rng_key[1])):
         out = out * float("nan")
     return out
 

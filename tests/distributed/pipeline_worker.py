@@ -30,17 +30,28 @@ import torch.distributed as dist
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
+from megatron_lite.model.tied import tie_across_stages
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule
-from megatron_lite.model.tied import tie_across_stages
 from tests.distributed.tp_worker import worse, worst_over_ranks
 
 FLAVOURS = {
     "gpt2-tied": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),
-    "llama-untied": dict(n_heads=4, n_kv_heads=2, d_model=32, ffn_hidden=48, vocab_size=300, seq_len=16,
-                         norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+    "llama-untied": dict(
+        n_heads=4,
+        n_kv_heads=2,
+        d_model=32,
+        ffn_hidden=48,
+        vocab_size=300,
+        seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
 TOL = 1e-6
 MICRO_BATCH = 2
@@ -65,9 +76,17 @@ def pipeline_step(cfg: ModelConfig, ctx: ParallelContext, vpp: int, schedule: st
     torch.manual_seed(7)
     model = GPT(cfg).keep_chunks(rank_chunks(ctx.pp_rank, ctx.pp_size, vpp, cfg.n_layers, v_shape=schedule == "zbv"))
     tie_across_stages(model, ctx.embed_group, ctx.pp_rank, ctx.pp_size)
-    executor = PipelineExecutor(model.chunks, resolve_schedule(schedule, vpp), ctx.pp_size, ctx.pp_rank,
-                                (MICRO_BATCH, cfg.seq_len, cfg.d_model), torch.float32, ctx.device,
-                                ctx.pp_global_rank, ctx.pp_group)
+    executor = PipelineExecutor(
+        model.chunks,
+        resolve_schedule(schedule, vpp),
+        ctx.pp_size,
+        ctx.pp_rank,
+        (MICRO_BATCH, cfg.seq_len, cfg.d_model),
+        torch.float32,
+        ctx.device,
+        ctx.pp_global_rank,
+        ctx.pp_group,
+    )
     stats = executor.run(model, batches)
     if model.tied is not None:
         model.tied.sync(model)
@@ -79,12 +98,22 @@ def results() -> list[dict]:
     (zb_h1: largest absolute gradient difference from 1F1B, else None), kept (peak chunk-output bytes held at
     once, in activations), held (parameters held over the pipeline), serial (parameters of the serial model)}."""
     world = dist.get_world_size()
-    cases = [(flavour, pp, vpp, schedule, m)
-             for flavour in FLAVOURS for pp in (2, 4) for vpp in (1, 2)
-             for schedule in ("gpipe", "1f1b", "interleaved") if not (schedule == "interleaved" and vpp == 1)
-             for m in ((pp, 2 * pp + 1) if schedule == "interleaved" else (pp,))]
-    cases += [(flavour, pp, vpp, schedule, m) for flavour in FLAVOURS for pp in (2, 4)
-              for schedule, vpp in (("zb_h1", 1), ("zbv", 2)) for m in (pp, 2 * pp, 3 * pp + 1)]
+    cases = [
+        (flavour, pp, vpp, schedule, m)
+        for flavour in FLAVOURS
+        for pp in (2, 4)
+        for vpp in (1, 2)
+        for schedule in ("gpipe", "1f1b", "interleaved")
+        if not (schedule == "interleaved" and vpp == 1)
+        for m in ((pp, 2 * pp + 1) if schedule == "interleaved" else (pp,))
+    ]
+    cases += [
+        (flavour, pp, vpp, schedule, m)
+        for flavour in FLAVOURS
+        for pp in (2, 4)
+        for schedule, vpp in (("zb_h1", 1), ("zbv", 2))
+        for m in (pp, 2 * pp, 3 * pp + 1)
+    ]
     out = []
     for flavour, pp, vpp, schedule, m in cases:
         cfg = ModelConfig(name=flavour, n_layers=2 * pp * vpp, **FLAVOURS[flavour])
@@ -93,18 +122,27 @@ def results() -> list[dict]:
         batches = [torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=gen) for _ in range(m)]
         want_loss, want_grads = serial_step(cfg, batches)
         stats, params = pipeline_step(cfg, ctx, vpp, schedule, batches)
-        worst = {"gradients": reduce(worse, (relative_error(p.grad, want_grads[name]) for name, p in params.items()),
-                                     0.0),
-                 "loss": 0.0 if stats.loss is None else abs(stats.loss.item() - want_loss) / want_loss,
-                 "vs_1f1b": 0.0, "kept": stats.peak_kept_bytes / (MICRO_BATCH * cfg.seq_len * cfg.d_model * 4)}
+        worst = {
+            "gradients": reduce(worse, (relative_error(p.grad, want_grads[name]) for name, p in params.items()), 0.0),
+            "loss": 0.0 if stats.loss is None else abs(stats.loss.item() - want_loss) / want_loss,
+            "vs_1f1b": 0.0,
+            "kept": stats.peak_kept_bytes / (MICRO_BATCH * cfg.seq_len * cfg.d_model * 4),
+        }
         if schedule == "zb_h1":  # the same layers on each rank as 1F1B
             _, params_1f1b = pipeline_step(cfg, ctx, vpp, "1f1b", batches)
-            worst["vs_1f1b"] = reduce(worse, ((p.grad - params_1f1b[name].grad).abs().max().item()
-                                              for name, p in params.items()), 0.0)
+            worst["vs_1f1b"] = reduce(
+                worse, ((p.grad - params_1f1b[name].grad).abs().max().item() for name, p in params.items()), 0.0
+            )
         worst = worst_over_ranks(worst)
         held = torch.tensor([float(len(params))])
         dist.all_reduce(held)
-        out.append({"case": f"{flavour} pp={pp} vpp={vpp} {schedule} m={m}", **worst,
-                    "vs_1f1b": worst["vs_1f1b"] if schedule == "zb_h1" else None,
-                    "held": int(held.item()) // (world // pp), "serial": len(want_grads)})
+        out.append(
+            {
+                "case": f"{flavour} pp={pp} vpp={vpp} {schedule} m={m}",
+                **worst,
+                "vs_1f1b": worst["vs_1f1b"] if schedule == "zb_h1" else None,
+                "held": int(held.item()) // (world // pp),
+                "serial": len(want_grads),
+            }
+        )
     return out

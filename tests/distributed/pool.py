@@ -45,8 +45,13 @@ class World:
         os.makedirs(self.inbox)
         self.log_path = os.path.join(self.inbox, "output.log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(torchrun_cmd(nproc, POOL_WORKER, self.inbox, str(os.getpid())), env=rank_env(),
-                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            torchrun_cmd(nproc, POOL_WORKER, self.inbox, str(os.getpid())),
+            env=rank_env(),
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None

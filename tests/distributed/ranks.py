@@ -28,13 +28,21 @@ def on_ranks(n: int, function: str, *args, env: dict | None = None, timeout: int
         with open(spec, "w") as f:
             json.dump({"function": function, "args": list(args), "out": out}, f)
         try:
-            proc = subprocess.run(torchrun_cmd(n, RUNNER, spec), env=rank_env(**(env or {})), cwd=ROOT,
-                                  capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(
+                torchrun_cmd(n, RUNNER, spec),
+                env=rank_env(**(env or {})),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         finally:
             clean_shared_memory()
         if proc.returncode != 0:
-            raise AssertionError(f"{function}{tuple(args)} on {n} ranks exited {proc.returncode}\n"
-                                 f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}")
+            raise AssertionError(
+                f"{function}{tuple(args)} on {n} ranks exited {proc.returncode}\n"
+                f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+            )
         values = []
         for rank in range(n):
             with open(f"{out}.{rank}.json") as f:

@@ -12,8 +12,13 @@ import pytest
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
 from tests.distributed.common import overrides, real_corpus_overrides
 from tests.distributed.launcher import run_configs
-from tests.distributed.test_resume import (STEPS8, assert_continues, killed_writing_step_4, straight_then_resumed,
-                                          straights_then_resumed)
+from tests.distributed.test_resume import (
+    STEPS8,
+    assert_continues,
+    killed_writing_step_4,
+    straight_then_resumed,
+    straights_then_resumed,
+)
 
 ASYNC = ["checkpoint.async_save=true"]
 
@@ -25,14 +30,20 @@ def _metrics(run_dir: str) -> list[dict]:
 
 LAYOUTS = {  # dp=2 on every ZeRO stage; offload (the staging copy reads the states where offload keeps them);
     # cp=2 (a cp group's ranks, same weights and other tokens, each stage their own files)
-    "zero0": ["zero.stage=0"], "zero3": ["zero.stage=3"], "zero1": ["zero.stage=1"], "zero2": ["zero.stage=2"],
+    "zero0": ["zero.stage=0"],
+    "zero3": ["zero.stage=3"],
+    "zero1": ["zero.stage=1"],
+    "zero2": ["zero.stage=2"],
     "zero3_offload_all": ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"],
     "cp2_ring": ["parallel.cp=2", "zero.stage=1"],
 }
 
 
-@pytest.mark.parametrize("names", [["zero0", "zero3"], pytest.param(["zero1", "zero2", "zero3_offload_all", "cp2_ring"],
-                                                                    marks=pytest.mark.slow)], ids=["quick", "more"])
+@pytest.mark.parametrize(
+    "names",
+    [["zero0", "zero3"], pytest.param(["zero1", "zero2", "zero3_offload_all", "cp2_ring"], marks=pytest.mark.slow)],
+    ids=["quick", "more"],
+)
 def test_exact_resume_from_an_async_checkpoint(names, tmp_path):
     """2 ranks: per layout, 8 straight steps saving asynchronously at 4 vs a fresh world resuming from it."""
     results = straights_then_resumed(2, tmp_path, {name: [*LAYOUTS[name], *ASYNC] for name in names})
@@ -60,12 +71,24 @@ def test_exact_resume_from_an_async_checkpoint_pp2_tp2(tmp_path):
 def test_async_checkpoint_converts_for_another_dp_size(tmp_path):
     """An asynchronous checkpoint written at dp=2 (ZeRO-2) resumes at dp=1 through the universal conversion,
     continuing the uninterrupted run within 1e-4 (as the synchronous elastic resumes in test_resume.py)."""
-    (straight,) = run_configs(2, [overrides(tmp_path, "dp2", *STEPS8, "checkpoint.interval=4", "zero.stage=2",
-                                            *ASYNC)], tmp_path)
-    (resized,) = run_configs(1, [overrides(tmp_path, "dp1", *STEPS8, "zero.stage=2", *ASYNC,
-                                           f"checkpoint.dir={tmp_path}/dp1_ckpt",
-                                           f"checkpoint.resume={tmp_path}/dp2/checkpoints/{step_name(4)}")],
-                             tmp_path)
+    (straight,) = run_configs(
+        2, [overrides(tmp_path, "dp2", *STEPS8, "checkpoint.interval=4", "zero.stage=2", *ASYNC)], tmp_path
+    )
+    (resized,) = run_configs(
+        1,
+        [
+            overrides(
+                tmp_path,
+                "dp1",
+                *STEPS8,
+                "zero.stage=2",
+                *ASYNC,
+                f"checkpoint.dir={tmp_path}/dp1_ckpt",
+                f"checkpoint.resume={tmp_path}/dp2/checkpoints/{step_name(4)}",
+            )
+        ],
+        tmp_path,
+    )
     assert len(resized["losses"]) == 4
     assert_continues(resized, straight, 1e-4, "async checkpoint, dp 2 -> 1 resume")
     assert latest_checkpoint(f"{tmp_path}/dp1_ckpt") == os.path.join(f"{tmp_path}/dp1_ckpt", step_name(8))
@@ -84,8 +107,11 @@ def test_rank_killed_during_a_background_write(tmp_path):
     logged = [r["step"] for r in _metrics(f"{tmp_path}/run")]
     assert 5 in logged, f"the loop waited for the write instead of training on: {logged}"
 
-    resumed, straight = run_configs(2, [args + ["checkpoint.resume=auto"],
-                                        real_corpus_overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")], tmp_path)
+    resumed, straight = run_configs(
+        2,
+        [args + ["checkpoint.resume=auto"], real_corpus_overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")],
+        tmp_path,
+    )
     assert [r["step"] for r in _metrics(f"{tmp_path}/run")][-6:] == [3, 4, 5, 6, 7, 8]
     assert len(resumed["losses"]) == 6
     assert_continues(resumed, straight, 1e-6, "async: restart from step 2")

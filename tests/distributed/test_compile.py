@@ -16,11 +16,27 @@ TOL = 1e-4
 @pytest.mark.slow
 def test_compiled_blocks_follow_the_eager_single_process(tmp_path):
     (reference,) = run_configs(1, [overrides(tmp_path, "eager")], tmp_path)
-    runs = [overrides(tmp_path, "tp2_sp_full_z1", "train.compile=true", "parallel.tp=2", "parallel.sp=true",
-                      "train.recompute=full", "zero.stage=1"),
-            overrides(tmp_path, "dp2_z2", "train.compile=true", "zero.stage=2"),
-            overrides(tmp_path, "pp2_zbv_z2", "train.compile=true", "parallel.pp=2", "parallel.vpp=2",
-                      "parallel.schedule=zbv", "zero.stage=2")]
+    runs = [
+        overrides(
+            tmp_path,
+            "tp2_sp_full_z1",
+            "train.compile=true",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.recompute=full",
+            "zero.stage=1",
+        ),
+        overrides(tmp_path, "dp2_z2", "train.compile=true", "zero.stage=2"),
+        overrides(
+            tmp_path,
+            "pp2_zbv_z2",
+            "train.compile=true",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.schedule=zbv",
+            "zero.stage=2",
+        ),
+    ]
     for result in run_configs(2, runs, tmp_path, timeout=1200):
         what = result["overrides"][-4:]
         gap = max_abs_diff(result["losses"], reference["losses"])

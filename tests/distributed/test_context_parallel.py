@@ -17,8 +17,8 @@ Checkpoints: an exact resume at the same cp (1e-6) and a resume at another cp th
 import pytest
 
 from megatron_lite.checkpoint.store import step_name
-from tests.distributed.common import logged_records, max_abs_diff, max_relative_diff, overrides
 from tests.distributed import cp_worker
+from tests.distributed.common import logged_records, max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import run_configs
 from tests.distributed.ranks import on_ranks
 from tests.distributed.test_resume import STEPS8, assert_continues, straight_then_resumed
@@ -45,8 +45,7 @@ def test_context_parallel_matches_serial_model():
 @pytest.mark.slow
 def test_triton_kernels_under_context_parallel_match_serial():
     """cp=2 with kernels.backend=triton (Triton's interpreter on CPU) against the serial torch model."""
-    errors = on_ranks(4, "tests.distributed.cp_worker:errors", "triton", env={"TRITON_INTERPRET": "1"},
-                      timeout=900)[0]
+    errors = on_ranks(4, "tests.distributed.cp_worker:errors", "triton", env={"TRITON_INTERPRET": "1"}, timeout=900)[0]
     assert_within(errors, 4)
     assert all("kernels=triton" in case for case in errors), errors
 
@@ -69,14 +68,18 @@ def assert_follows(result: dict, reference: dict, what: str) -> None:
 # validation loss (the same global batches at every layout); the slow tier adds ring at cp x dp, cp x tp + SP,
 # cp inside a pipeline (1F1B, and zbv: the ring's attention holds no weights, its linears defer W), ZeRO-3 (which needs repairs.sum_zero3_gradients_over_cp) and cp=4 Ulysses.
 RUNS = {
-    "cp2_dp2_zero2_ulysses_full_recompute": (["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=2",
-                                              "train.recompute=full", "train.eval_interval=3"], False),
+    "cp2_dp2_zero2_ulysses_full_recompute": (
+        ["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=2", "train.recompute=full", "train.eval_interval=3"],
+        False,
+    ),
     "cp4_ring_zero1": (["parallel.cp=4", "zero.stage=1", "train.eval_interval=3"], False),
     "cp2_dp2_zero2_ring": (["parallel.cp=2", "zero.stage=2"], True),
     "cp2_tp2_sp_zero1": (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "zero.stage=1"], True),
     "cp2_pp2_zero1": (["parallel.cp=2", "parallel.pp=2", "zero.stage=1"], True),
-    "cp2_pp2_zbv_zero2": (["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv",
-                           "zero.stage=2"], True),
+    "cp2_pp2_zbv_zero2": (
+        ["parallel.cp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "zero.stage=2"],
+        True,
+    ),
     "cp2_dp2_zero3_selective": (["parallel.cp=2", "zero.stage=3", "train.recompute=selective"], True),
     "cp4_ulysses_zero1": (["parallel.cp=4", "parallel.cp_mode=ulysses", "zero.stage=1"], True),
 }
@@ -104,17 +107,34 @@ def test_exact_resume_at_the_same_context_parallel_layout(tmp_path):
     assert_continues(resumed, straight, 1e-6, "cp=2 resume")
 
 
-@pytest.mark.parametrize("stage,to", [(1, ["parallel.cp=1"]), pytest.param(2, ["parallel.cp=1"], marks=pytest.mark.slow)],
-                         ids=["zero1-cp2-to-cp1", "zero2-cp2-to-cp1"])
+@pytest.mark.parametrize(
+    "stage,to",
+    [(1, ["parallel.cp=1"]), pytest.param(2, ["parallel.cp=1"], marks=pytest.mark.slow)],
+    ids=["zero1-cp2-to-cp1", "zero2-cp2-to-cp1"],
+)
 def test_resume_at_another_context_parallel_size(stage, to, tmp_path):
     """Save at cp=2 (2 ranks), resume at cp=1 on one rank: the ZeRO partitions go from dp x cp = 2 to 1, so the
     checkpoint passes through the universal format; the parameters, replicated over cp, load whole. Loss and
     grad norm continue the uninterrupted run within 1e-4."""
-    (straight,) = run_configs(2, [overrides(tmp_path, "cp2", *STEPS8, "checkpoint.interval=4", "parallel.cp=2",
-                                            f"zero.stage={stage}")], tmp_path)
-    (resized,) = run_configs(1, [overrides(tmp_path, "cp1", *STEPS8, *to, f"zero.stage={stage}",
-                                           f"checkpoint.dir={tmp_path}/cp1_ckpt",
-                                           f"checkpoint.resume={tmp_path}/cp2/checkpoints/{step_name(4)}")],
-                             tmp_path)
+    (straight,) = run_configs(
+        2,
+        [overrides(tmp_path, "cp2", *STEPS8, "checkpoint.interval=4", "parallel.cp=2", f"zero.stage={stage}")],
+        tmp_path,
+    )
+    (resized,) = run_configs(
+        1,
+        [
+            overrides(
+                tmp_path,
+                "cp1",
+                *STEPS8,
+                *to,
+                f"zero.stage={stage}",
+                f"checkpoint.dir={tmp_path}/cp1_ckpt",
+                f"checkpoint.resume={tmp_path}/cp2/checkpoints/{step_name(4)}",
+            )
+        ],
+        tmp_path,
+    )
     assert len(resized["losses"]) == 4
     assert_continues(resized, straight, 1e-4, f"zero.stage={stage}: cp 2 -> 1 resume")

@@ -21,8 +21,10 @@ import time
 import pytest
 
 from megatron_lite.parallel.context import free_port
+
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
-from tests.distributed.common import logged_records, real_corpus_overrides as overrides
+from tests.distributed.common import logged_records
+from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs
 
 INTERVAL = 3
@@ -32,8 +34,16 @@ RUN = ["train.steps=24", f"checkpoint.interval={INTERVAL}", "optim.decay=constan
 def test_three_kills_in_a_row_restart_and_resume_every_time(tmp_path):
     run_dir, rng = f"{tmp_path}/run", random.Random(3)
     args = overrides(tmp_path, "run", *RUN, "checkpoint.resume=auto")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
-           os.path.join(ROOT, "train.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        os.path.join(ROOT, "train.py"),
+        *args,
+    ]
     proc = subprocess.Popen(cmd, env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(3):
@@ -69,18 +79,42 @@ def test_three_kills_in_a_row_restart_and_resume_every_time(tmp_path):
 
 # --- a node lost or added: torchrun --nnodes MIN:MAX re-forms the job with fewer or more ranks --------------
 
-ELASTIC = ["train.steps=18", f"checkpoint.interval={INTERVAL}", "optim.decay=constant", "zero.stage=1",
-           "checkpoint.resume=auto", "dist.step_timeout_s=20"]
+ELASTIC = [
+    "train.steps=18",
+    f"checkpoint.interval={INTERVAL}",
+    "optim.decay=constant",
+    "zero.stage=1",
+    "checkpoint.resume=auto",
+    "dist.step_timeout_s=20",
+]
 
 
 def start_node(tmp_path, port: int, **env: str) -> subprocess.Popen:
     """One torchrun agent ("node") with one rank, joining a c10d rendezvous of 1 to 2 nodes on localhost;
     in a session of its own so that losing the node can take the agent and its rank together."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic", "--max-restarts=3",
-           "--rdzv-conf=last_call_timeout=2", os.path.join(ROOT, "train.py"), *overrides(tmp_path, "run", *ELASTIC)]
-    return subprocess.Popen(cmd, env=rank_env(**env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=elastic",
+        "--max-restarts=3",
+        "--rdzv-conf=last_call_timeout=2",
+        os.path.join(ROOT, "train.py"),
+        *overrides(tmp_path, "run", *ELASTIC),
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=rank_env(**env),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def lose_node(agent: subprocess.Popen) -> None:
@@ -196,12 +230,25 @@ def test_a_worker_group_whose_agents_count_restarts_differently_still_forms(tmp_
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agents' store
     for counts in ((0, 0), (0, 1)):
-        procs = [subprocess.Popen([sys.executable, "-c", GROUP_WORKER], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE,
-                                  env=rank_env(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                               MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                                               TORCHELASTIC_RESTART_COUNT=str(count)))
-                 for rank, count in enumerate(counts)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", GROUP_WORKER],
+                cwd=ROOT,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=rank_env(
+                    RANK=str(rank),
+                    LOCAL_RANK="0",
+                    WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    TORCHELASTIC_USE_AGENT_STORE="True",
+                    TORCHELASTIC_RESTART_COUNT=str(count),
+                ),
+            )
+            for rank, count in enumerate(counts)
+        ]
         outs = [proc.communicate(timeout=120) for proc in procs]
         assert [proc.returncode for proc in procs] == [0, 0], (counts, [err[-1500:] for _, err in outs])
         assert [out.split() for out, _ in outs] == [["2"], ["2"]], (counts, outs)

@@ -38,10 +38,16 @@ def test_triton_backend_composes_with_zero3_and_tensor_sequence_parallel(tmp_pat
     """2 ranks, ZeRO-3: torch kernels at dp=2 against Triton kernels at tp=2 with SP (vocab-parallel cross
     entropy, fused bias-GeLU on column-parallel shards, norms on sequence shards); same global batch."""
     common = ["train.steps=3", "zero.stage=3"]
-    torch_run, triton_run = run_configs(2, [
-        overrides(tmp_path, "z3_torch", *common, "kernels.backend=torch"),
-        overrides(tmp_path, "z3_triton_tp2_sp", *common, "kernels.backend=triton", "parallel.tp=2", "parallel.sp=true"),
-    ], tmp_path)
+    torch_run, triton_run = run_configs(
+        2,
+        [
+            overrides(tmp_path, "z3_torch", *common, "kernels.backend=torch"),
+            overrides(
+                tmp_path, "z3_triton_tp2_sp", *common, "kernels.backend=triton", "parallel.tp=2", "parallel.sp=true"
+            ),
+        ],
+        tmp_path,
+    )
     gap = max_abs_diff(triton_run["losses"], torch_run["losses"])
     assert gap <= 1e-4, f"ZeRO-3 tp=2 SP triton vs dp=2 torch: max |loss diff| = {gap:.2e}"
     norms = max_relative_diff(triton_run["grad_norms"], torch_run["grad_norms"])

@@ -27,5 +27,6 @@ def test_losses_match_recorded_values(preset, tmp_path):
     gap = max_abs_diff(result["losses"], recorded["losses"])
     assert gap <= 1e-3, f"{preset}: losses moved by {gap:.2e} from the recorded run: {result['losses']}"
     norms = max_relative_diff(result["grad_norms"], recorded["grad_norms"])
-    assert norms <= 1e-3, (f"{preset}: grad norms moved by {norms:.2e} (relative) from the recorded run: "
-                           f"{result['grad_norms']}")
+    assert norms <= 1e-3, (
+        f"{preset}: grad norms moved by {norms:.2e} (relative) from the recorded run: {result['grad_norms']}"
+    )

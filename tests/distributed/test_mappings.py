@@ -10,7 +10,13 @@ from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torc
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_mappings_match_closed_forms(nproc):
-    proc = subprocess.run(torchrun_cmd(nproc, os.path.join(ROOT, "tests/distributed/mappings_worker.py")),
-                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        torchrun_cmd(nproc, os.path.join(ROOT, "tests/distributed/mappings_worker.py")),
+        env=rank_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     clean_shared_memory()
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,8 +11,14 @@ from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torc
 
 
 def test_meta_build_equals_sharding_the_whole_model():
-    proc = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/build_worker.py")),
-                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/build_worker.py")),
+        env=rank_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     clean_shared_memory()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp shards: meta build" in proc.stdout and "zero3: partitioned while built" in proc.stdout, proc.stdout

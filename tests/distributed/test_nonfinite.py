@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from megatron_lite.checkpoint.weights import load_model_state
 from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
+from megatron_lite.checkpoint.weights import load_model_state
+
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
@@ -26,8 +27,9 @@ WORKER = os.path.join(ROOT, "tests/distributed/nan_worker.py")
 def train_with_nan(tmp_path, name: str, nan_steps: str, *extra: str, microbatch: str | None = None):
     args = overrides(tmp_path, name, "train.steps=5", "checkpoint.interval=1", "checkpoint.keep=0", *extra)
     env = rank_env(NAN_STEPS=nan_steps, **({"NAN_MICROBATCH": microbatch} if microbatch is not None else {}))
-    proc = subprocess.run(torchrun_cmd(2, WORKER, *args), env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        torchrun_cmd(2, WORKER, *args), env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     clean_shared_memory()
     return proc, f"{tmp_path}/{name}"
 
@@ -40,10 +42,14 @@ def optimizer_tensors(run_dir: str, step: int) -> list[torch.Tensor]:
     """Every tensor of every rank's optimizer state in a step's checkpoint: AdamW's moments and step counts
     (ZeRO-0 keeps them in the model-states file, ZeRO 1-3 in one file per rank, with the fp32 master weights)."""
     path = os.path.join(run_dir, "checkpoints", step_name(step))
-    states = [torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-              for name in sorted(glob.glob(os.path.join(path, "*optim_states.pt")))]
-    states += [torch.load(name, map_location="cpu", weights_only=False).get("optimizer")
-               for name in sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))]
+    states = [
+        torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for name in sorted(glob.glob(os.path.join(path, "*optim_states.pt")))
+    ]
+    states += [
+        torch.load(name, map_location="cpu", weights_only=False).get("optimizer")
+        for name in sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
+    ]
     return [leaf for leaf in tree_flatten(states)[0] if isinstance(leaf, torch.Tensor)]
 
 

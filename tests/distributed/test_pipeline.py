@@ -18,8 +18,8 @@ import os
 import pytest
 
 from megatron_lite.checkpoint.store import step_name
-from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
 from tests.distributed import pipeline_worker
+from tests.distributed.common import max_abs_diff, max_relative_diff, overrides
 from tests.distributed.launcher import override_value, run_configs
 from tests.distributed.ranks import on_ranks
 
@@ -78,10 +78,22 @@ def test_pipeline_zero_stages_match_single_process(references, tmp_path):
     """pp=2 (tied GPT-2 style) with ZeRO 0, 1, 2; pp=2 x vpp=2 with ZeRO-2 + CPU optimizer offload (chunks whose
     first backward is not the step's first, repairs.zero_offload_accumulators); pp=2 x vpp=2 untied."""
     runs = [overrides(tmp_path, f"pp2_z{stage}", "parallel.pp=2", f"zero.stage={stage}", *EVAL) for stage in (0, 1, 2)]
-    runs.append(overrides(tmp_path, "pp2_vpp2_z2_offload", "parallel.pp=2", "parallel.vpp=2", "zero.stage=2",
-                          "zero.offload_optimizer=cpu", *EVAL))
-    runs.append(overrides(tmp_path, "pp2_vpp2_llama", "model=llama-tiny", "parallel.pp=2", "parallel.vpp=2",
-                          "zero.stage=1", *EVAL))
+    runs.append(
+        overrides(
+            tmp_path,
+            "pp2_vpp2_z2_offload",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "zero.stage=2",
+            "zero.offload_optimizer=cpu",
+            *EVAL,
+        )
+    )
+    runs.append(
+        overrides(
+            tmp_path, "pp2_vpp2_llama", "model=llama-tiny", "parallel.pp=2", "parallel.vpp=2", "zero.stage=1", *EVAL
+        )
+    )
     for result in run_configs(2, runs, tmp_path):
         assert_follows(result, references["llama-tiny" if "model=llama-tiny" in result["overrides"] else "tiny"])
 
@@ -91,12 +103,15 @@ def test_zero_bubble_zero_stages_match_single_process(references, tmp_path):
     a pipeline takes: zb_h1 with ZeRO 0 and 2 (the tied GPT-2 style model: the embedding's W feeds the tied fp32
     accumulator), zbv (vpp=2 in a V: embedding and head on rank 0) with ZeRO-1, and with the untied Llama style,
     ZeRO-2 and CPU optimizer offload: DeepSpeed's gradient hooks run in W, once per parameter and micro-batch."""
-    zb_h1, zbv = ["parallel.pp=2", "parallel.schedule=zb_h1", *EVAL], ["parallel.pp=2", "parallel.vpp=2",
-                                                                        "parallel.schedule=zbv", *EVAL]
+    zb_h1, zbv = (
+        ["parallel.pp=2", "parallel.schedule=zb_h1", *EVAL],
+        ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", *EVAL],
+    )
     runs = [overrides(tmp_path, f"zb_h1_z{stage}", *zb_h1, f"zero.stage={stage}") for stage in (0, 2)]
     runs.append(overrides(tmp_path, "zbv_z1", *zbv, "zero.stage=1"))
-    runs.append(overrides(tmp_path, "zbv_llama_offload", "model=llama-tiny", *zbv, "zero.stage=2",
-                          "zero.offload_optimizer=cpu"))
+    runs.append(
+        overrides(tmp_path, "zbv_llama_offload", "model=llama-tiny", *zbv, "zero.stage=2", "zero.offload_optimizer=cpu")
+    )
     for result in run_configs(2, runs, tmp_path):
         assert_follows(result, references["llama-tiny" if "model=llama-tiny" in result["overrides"] else "tiny"])
 
@@ -105,18 +120,33 @@ def test_zero_bubble_zero_stages_match_single_process(references, tmp_path):
 def test_pipeline_with_recompute_matches_single_process(references, tmp_path):
     """Recomputation inside chunks (global layer indices): pp=2 x vpp=2, ZeRO-2, full and selective; zb_h1 with
     selective (recomputed attention cores hold no weights, so every linear still defers its W)."""
-    runs = [overrides(tmp_path, f"pp2_{mode}", "parallel.pp=2", "parallel.vpp=2", "zero.stage=2",
-                      f"train.recompute={mode}", *EVAL) for mode in ("full", "selective")]
-    runs.append(overrides(tmp_path, "zb_selective", "parallel.pp=2", "parallel.schedule=zb_h1", "zero.stage=2",
-                          "train.recompute=selective", *EVAL))
+    runs = [
+        overrides(
+            tmp_path, f"pp2_{mode}", "parallel.pp=2", "parallel.vpp=2", "zero.stage=2", f"train.recompute={mode}", *EVAL
+        )
+        for mode in ("full", "selective")
+    ]
+    runs.append(
+        overrides(
+            tmp_path,
+            "zb_selective",
+            "parallel.pp=2",
+            "parallel.schedule=zb_h1",
+            "zero.stage=2",
+            "train.recompute=selective",
+            *EVAL,
+        )
+    )
     for result in run_configs(2, runs, tmp_path):
         assert_follows(result, references["tiny"])
 
 
 @pytest.mark.slow
 def test_pipeline_pp4_matches_single_process(references, tmp_path):
-    runs = [overrides(tmp_path, "pp4_llama", "model=llama-tiny", "parallel.pp=4", "zero.stage=1", *EVAL),
-            overrides(tmp_path, "pp4_gpipe", "parallel.pp=4", "parallel.schedule=gpipe", "zero.stage=2", *EVAL)]
+    runs = [
+        overrides(tmp_path, "pp4_llama", "model=llama-tiny", "parallel.pp=4", "zero.stage=1", *EVAL),
+        overrides(tmp_path, "pp4_gpipe", "parallel.pp=4", "parallel.schedule=gpipe", "zero.stage=2", *EVAL),
+    ]
     for result in run_configs(4, runs, tmp_path):
         assert_follows(result, references["llama-tiny" if "model=llama-tiny" in result["overrides"] else "tiny"])
 
@@ -127,8 +157,18 @@ def test_full_3d_matches_single_process(references, tmp_path):
     ZeRO-2 (W gathers the sequence-parallel inputs of the column-parallel linears, sums norm gains over TP)."""
     layout = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.vpp=2"]
     runs = [overrides(tmp_path, f"3d_z{stage}", *layout, f"zero.stage={stage}", *EVAL) for stage in (1, 2)]
-    runs.append(overrides(tmp_path, "3d_zb_z2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2",
-                          "parallel.schedule=zb_h1", "zero.stage=2", *EVAL))
+    runs.append(
+        overrides(
+            tmp_path,
+            "3d_zb_z2",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.pp=2",
+            "parallel.schedule=zb_h1",
+            "zero.stage=2",
+            *EVAL,
+        )
+    )
     for result in run_configs(8, runs, tmp_path, timeout=1500):
         assert_follows(result, references["tiny"])
 
@@ -140,10 +180,16 @@ def test_pipeline_exact_resume(tmp_path):
     layout = ["parallel.pp=2", "parallel.vpp=2", "zero.stage=1", "train.steps=8", "checkpoint.keep=0"]
     (straight,) = run_configs(2, [overrides(tmp_path, "straight", *layout, "checkpoint.interval=4")], tmp_path)
     resume = f"checkpoint.resume={tmp_path}/straight/checkpoints/{step_name(4)}"
-    resumed, zbv = run_configs(2, [
-        overrides(tmp_path, "resumed", *layout, f"checkpoint.dir={tmp_path}/resumed_ckpt", resume),
-        overrides(tmp_path, "resumed_zbv", *layout, "parallel.schedule=zbv", f"checkpoint.dir={tmp_path}/zbv_ckpt",
-                  resume)], tmp_path)
+    resumed, zbv = run_configs(
+        2,
+        [
+            overrides(tmp_path, "resumed", *layout, f"checkpoint.dir={tmp_path}/resumed_ckpt", resume),
+            overrides(
+                tmp_path, "resumed_zbv", *layout, "parallel.schedule=zbv", f"checkpoint.dir={tmp_path}/zbv_ckpt", resume
+            ),
+        ],
+        tmp_path,
+    )
     assert len(resumed["losses"]) == len(zbv["losses"]) == 4
     assert max_abs_diff(resumed["losses"], straight["losses"][-4:]) <= 1e-6
     assert max_relative_diff(resumed["grad_norms"], straight["grad_norms"][-4:]) <= 1e-6
@@ -160,11 +206,22 @@ def test_triton_kernels_inside_pipeline_chunks(tmp_path):
     """pp=2 x vpp=2 with kernels.backend=triton (norms, RoPE, SwiGLU and the fused cross entropy on the last
     virtual stage) and selective recomputation against torch kernels at dp=2; same global batch, 1e-4."""
     common = ["train.steps=3", "model=llama-tiny", "zero.stage=1"]
-    torch_run, triton_run = run_configs(2, [
-        overrides(tmp_path, "dp2_torch", *common, "kernels.backend=torch"),
-        overrides(tmp_path, "pp2_triton", *common, "kernels.backend=triton", "parallel.pp=2", "parallel.vpp=2",
-                  "train.recompute=selective"),
-    ], tmp_path)
+    torch_run, triton_run = run_configs(
+        2,
+        [
+            overrides(tmp_path, "dp2_torch", *common, "kernels.backend=torch"),
+            overrides(
+                tmp_path,
+                "pp2_triton",
+                *common,
+                "kernels.backend=triton",
+                "parallel.pp=2",
+                "parallel.vpp=2",
+                "train.recompute=selective",
+            ),
+        ],
+        tmp_path,
+    )
     assert max_abs_diff(triton_run["losses"], torch_run["losses"]) <= TOL
     assert max_relative_diff(triton_run["grad_norms"], torch_run["grad_norms"]) <= TOL
 
@@ -176,17 +233,34 @@ def test_pipeline_with_dropout_matches_single_process(tmp_path):
     pp=2 x vpp=2, follow the single process with dropout. dp=2 (no pipeline) too: micro-batch j of DP rank r is
     j*dp + r of the global batch, as the sampler orders them. Validation runs in eval mode (no dropout)."""
     dropout = ["model.dropout=0.1", *EVAL]
-    single, no_dropout = run_configs(1, [overrides(tmp_path, "single_dropout", *dropout),
-                                         overrides(tmp_path, "single_no_dropout", *EVAL)], tmp_path)
+    single, no_dropout = run_configs(
+        1, [overrides(tmp_path, "single_dropout", *dropout), overrides(tmp_path, "single_no_dropout", *EVAL)], tmp_path
+    )
     # Dropout must move the trajectory, or matching it below would prove nothing about the masks.
     assert max_abs_diff(single["losses"], no_dropout["losses"]) > 1e-3
-    runs = [overrides(tmp_path, "pp2_full_z2_dropout", "parallel.pp=2", "zero.stage=2", "train.recompute=full",
-                      *dropout),
-            overrides(tmp_path, "pp2_vpp2_dropout", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
-                      "zero.stage=1", *dropout),
-            overrides(tmp_path, "zb_full_z2_dropout", "parallel.pp=2", "parallel.schedule=zb_h1", "zero.stage=2",
-                      "train.recompute=full", "train.recompute_every=2", *dropout),
-            overrides(tmp_path, "dp2_dropout", "zero.stage=1", "model.dropout=0.1")]
+    runs = [
+        overrides(tmp_path, "pp2_full_z2_dropout", "parallel.pp=2", "zero.stage=2", "train.recompute=full", *dropout),
+        overrides(
+            tmp_path,
+            "pp2_vpp2_dropout",
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.schedule=interleaved",
+            "zero.stage=1",
+            *dropout,
+        ),
+        overrides(
+            tmp_path,
+            "zb_full_z2_dropout",
+            "parallel.pp=2",
+            "parallel.schedule=zb_h1",
+            "zero.stage=2",
+            "train.recompute=full",
+            "train.recompute_every=2",
+            *dropout,
+        ),
+        overrides(tmp_path, "dp2_dropout", "zero.stage=1", "model.dropout=0.1"),
+    ]
     *pipelines, dp2 = run_configs(2, runs, tmp_path)
     for result in pipelines:
         assert_follows(result, single)

@@ -17,12 +17,23 @@ TOL = 1e-4
 
 
 def resume_elsewhere(tmp_path, nproc_from: int, layout_from: list[str], nproc_to: int, layout_to: list[str]):
-    (straight,) = run_configs(nproc_from, [overrides(tmp_path, "straight", *STEPS8, *layout_from,
-                                                     "checkpoint.interval=4")], tmp_path)
-    (resumed,) = run_configs(nproc_to, [overrides(tmp_path, "resumed", *STEPS8, *layout_to,
-                                                  f"checkpoint.dir={tmp_path}/resumed_ckpt",
-                                                  f"checkpoint.resume={tmp_path}/straight/checkpoints/{step_name(4)}")],
-                             tmp_path)
+    (straight,) = run_configs(
+        nproc_from, [overrides(tmp_path, "straight", *STEPS8, *layout_from, "checkpoint.interval=4")], tmp_path
+    )
+    (resumed,) = run_configs(
+        nproc_to,
+        [
+            overrides(
+                tmp_path,
+                "resumed",
+                *STEPS8,
+                *layout_to,
+                f"checkpoint.dir={tmp_path}/resumed_ckpt",
+                f"checkpoint.resume={tmp_path}/straight/checkpoints/{step_name(4)}",
+            )
+        ],
+        tmp_path,
+    )
     assert len(resumed["losses"]) == 4
     gap = max_abs_diff(resumed["losses"], straight["losses"][4:])
     norms = max_relative_diff(resumed["grad_norms"], straight["grad_norms"][4:])
@@ -37,8 +48,9 @@ def test_pipeline_resharding_pp2_to_pp1(tmp_path):
 @pytest.mark.slow
 def test_pipeline_resharding_pp2_vpp2_to_pp4(tmp_path):
     """pp=2 x vpp=2 with ZeRO-1 to pp=4 with ZeRO-2 (the stage changes too)."""
-    resume_elsewhere(tmp_path, 2, ["parallel.pp=2", "parallel.vpp=2", "zero.stage=1"],
-                     4, ["parallel.pp=4", "zero.stage=2"])
+    resume_elsewhere(
+        tmp_path, 2, ["parallel.pp=2", "parallel.vpp=2", "zero.stage=1"], 4, ["parallel.pp=4", "zero.stage=2"]
+    )
 
 
 def test_hf_export_from_pp2_equals_export_from_pp1(tmp_path):

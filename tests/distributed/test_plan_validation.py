@@ -67,8 +67,15 @@ def test_memory_model_on_four_ranks():
 def test_mem_peak_gib_is_the_fullest_ranks_peak(tmp_path):
     """training.run on 2 ranks (pp 2, so the ranks differ) with train.track_memory=true: metrics.jsonl's
     mem_peak_gib of the last step is the larger rank's peak, as the planner predicts it."""
-    extra = ["parallel.pp=2", "zero.stage=1", "train.steps=3", "train.track_memory=true", "train.eval_interval=0",
-             "train.micro_batch_size=4", "train.global_batch_size=8"]
+    extra = [
+        "parallel.pp=2",
+        "zero.stage=1",
+        "train.steps=3",
+        "train.track_memory=true",
+        "train.eval_interval=0",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+    ]
     run_configs(2, [overrides(tmp_path, "mem", *extra)], tmp_path)
     logged = logged_records(f"{tmp_path}/mem")[-1]["mem_peak_gib"]
     cfg = load(overrides(tmp_path, "mem", *extra), world_size=2)
@@ -82,8 +89,14 @@ def test_zero3_reduction_of_a_model_larger_than_one_bucket():
     model" are the same price: ZeRO-3's reduction copies were priced as the whole model (+8.4% at the peak of this
     model on the 8192-token vocabulary, 25 GiB too much for llama-7b) until an outside test tried a larger one.
     States exact, peak within 2% (measured: +1.3% on this 512-token vocabulary, 75M parameters; +0.06% at 8192)."""
-    big = ["model.d_model=1024", "model.n_heads=8", "model.n_layers=6", "train.micro_batch_size=1",
-           "train.global_batch_size=2", "zero.stage=3"]
+    big = [
+        "model.d_model=1024",
+        "model.n_heads=8",
+        "model.n_layers=6",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "zero.stage=3",
+    ]
     os.makedirs(SCRATCH, exist_ok=True)
     try:
         (result,) = measure(2, [[*big, *test_corpus()]], SCRATCH, env=rank_env())

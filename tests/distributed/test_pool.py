@@ -27,8 +27,14 @@ def test_one_rank_lists_train_in_two_worlds_at_once_in_order_and_fail_together(t
     """A one-rank list is split between two one-rank worlds (launcher.run_configs): the summaries come back in
     the list's order, and a failure in one half ends both worlds, the one still training included."""
     with pytest.raises(AssertionError, match=r"rank 0 raised:(.|\n)*ConfigError"):
-        run_configs(1, [overrides(tmp_path, "bad", "train.steps=1", "parallel.tp=3"),
-                        overrides(tmp_path, "meanwhile", "train.steps=4")], tmp_path)
+        run_configs(
+            1,
+            [
+                overrides(tmp_path, "bad", "train.steps=1", "parallel.tp=3"),
+                overrides(tmp_path, "meanwhile", "train.steps=4"),
+            ],
+            tmp_path,
+        )
     ended = [world for (nproc, _), world in pool._worlds.items() if nproc == 1]
     assert len(ended) == 2 and not any(world.alive() for world in ended)
     runs = [overrides(tmp_path, f"run{i}", f"train.steps={i}") for i in (1, 2, 3)]

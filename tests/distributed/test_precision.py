@@ -42,16 +42,18 @@ def check_stages(results: dict, layout: str) -> None:
     for stage in (0, 1, 2, 3):
         assert_close(results[stage], results["fp32"], f"{layout} ZeRO-{stage} bf16 vs fp32", LOSS_TOL, NORM_TOL)
         for other in range(stage):
-            assert_close(results[stage], results[other], f"{layout} ZeRO-{stage} vs ZeRO-{other}, bf16",
-                         LOSS_TOL, NORM_TOL)
+            assert_close(
+                results[stage], results[other], f"{layout} ZeRO-{stage} vs ZeRO-{other}, bf16", LOSS_TOL, NORM_TOL
+            )
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp1", "dp2"])
 def test_bf16_follows_fp32_on_every_zero_stage(nproc, tmp_path):
     """Four of the usual six steps (five runs each; the suite's time); the gaps above at dp 1 are 6-step maxima."""
     common = ["train.steps=4"]
-    runs = [overrides(tmp_path, "fp32", *common)] + [overrides(tmp_path, f"bf16_z{s}", BF16, f"zero.stage={s}", *common)
-                                                     for s in (0, 1, 2, 3)]
+    runs = [overrides(tmp_path, "fp32", *common)] + [
+        overrides(tmp_path, f"bf16_z{s}", BF16, f"zero.stage={s}", *common) for s in (0, 1, 2, 3)
+    ]
     out = run_configs(nproc, runs, tmp_path)
     check_stages(dict(zip(["fp32", 0, 1, 2, 3], out)), f"dp={nproc}")
 
@@ -59,8 +61,9 @@ def test_bf16_follows_fp32_on_every_zero_stage(nproc, tmp_path):
 @pytest.mark.slow
 def test_bf16_tensor_and_sequence_parallel(tmp_path):
     tp = ["parallel.tp=2", "parallel.sp=true"]
-    runs = [overrides(tmp_path, "fp32", *tp)] + [overrides(tmp_path, f"bf16_z{s}", *tp, BF16, f"zero.stage={s}")
-                                                 for s in (0, 1)]
+    runs = [overrides(tmp_path, "fp32", *tp)] + [
+        overrides(tmp_path, f"bf16_z{s}", *tp, BF16, f"zero.stage={s}") for s in (0, 1)
+    ]
     fp32, z0, z1 = run_configs(2, runs, tmp_path)
     for stage, result in ((0, z0), (1, z1)):
         assert_close(result, fp32, f"tp=2 SP ZeRO-{stage} bf16 vs fp32", LOSS_TOL, NORM_TOL)
@@ -78,13 +81,23 @@ def test_bf16_accumulates_gradients_in_fp32(tmp_path):
     data = repeated_sequence_data(tmp_path / "data", seq_len=16, vocab=512)
     # One layer and 512 tokens: the accumulation, not the depth or the head, is under test (bf16 matmuls on a CPU
     # without bf16 units run at ~1 GFLOP/s, so the 8192-token head took most of this test's 76 s).
-    many = ["train.steps=1", "train.global_batch_size=256", "train.micro_batch_size=1", f"data.path={data}",
-            "model.seq_len=16", "model.n_layers=1", "model.vocab_size=512"]
-    runs = [overrides(tmp_path, "fp32", *many)] + [overrides(tmp_path, f"bf16_z{s}", *many, BF16, f"zero.stage={s}")
-                                                   for s in (0, 1, 2, 3)]
+    many = [
+        "train.steps=1",
+        "train.global_batch_size=256",
+        "train.micro_batch_size=1",
+        f"data.path={data}",
+        "model.seq_len=16",
+        "model.n_layers=1",
+        "model.vocab_size=512",
+    ]
+    runs = [overrides(tmp_path, "fp32", *many)] + [
+        overrides(tmp_path, f"bf16_z{s}", *many, BF16, f"zero.stage={s}") for s in (0, 1, 2, 3)
+    ]
     fp32, *bf16 = run_configs(1, runs, tmp_path)
     for stage, result in enumerate(bf16):
         off = max_relative_diff(result["grad_norms"], fp32["grad_norms"])
-        assert off <= 3.5e-3, (f"ZeRO-{stage} bf16: the norm of 256 accumulated micro-batch gradients is {off:.2%} off "
-                               f"the fp32 run's ({result['grad_norms']} vs {fp32['grad_norms']}); are gradients "
-                               "accumulated in bf16?")
+        assert off <= 3.5e-3, (
+            f"ZeRO-{stage} bf16: the norm of 256 accumulated micro-batch gradients is {off:.2%} off "
+            f"the fp32 run's ({result['grad_norms']} vs {fp32['grad_norms']}); are gradients "
+            "accumulated in bf16?"
+        )

@@ -13,8 +13,10 @@ from tests.distributed.launcher import run_configs
 def test_recompute_modes_give_identical_training_with_dropout_tp_sp_zero3(tmp_path):
     layout = ["train.steps=4", "parallel.tp=2", "parallel.sp=true", "zero.stage=3", "model.dropout=0.1"]
     modes = [("none", 1), ("selective", 1), ("full", 1), ("full", 2)]
-    runs = [overrides(tmp_path, f"{mode}{every}", *layout, f"train.recompute={mode}", f"train.recompute_every={every}")
-            for mode, every in modes]
+    runs = [
+        overrides(tmp_path, f"{mode}{every}", *layout, f"train.recompute={mode}", f"train.recompute_every={every}")
+        for mode, every in modes
+    ]
     results = run_configs(4, runs, tmp_path)
     reference = results[0]
     assert len(reference["losses"]) == 4

@@ -14,9 +14,18 @@ import numpy as np
 import pytest
 
 from megatron_lite.checkpoint.store import latest_checkpoint, step_name
-from tests.distributed.common import (TEST_VOCAB, assert_same_hf_export, async_io_available, max_abs_diff,
-                                      max_relative_diff, overrides, real_corpus_overrides, test_corpus, write_prepared)
-from tests.distributed.launcher import ROOT, clean_shared_memory, run_configs, rank_env, torchrun_cmd
+from tests.distributed.common import (
+    TEST_VOCAB,
+    assert_same_hf_export,
+    async_io_available,
+    max_abs_diff,
+    max_relative_diff,
+    overrides,
+    real_corpus_overrides,
+    test_corpus,
+    write_prepared,
+)
+from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
 
 STEPS8 = ["train.steps=8", "checkpoint.keep=0"]
 
@@ -46,12 +55,26 @@ def straights_then_resumed(nproc: int, tmp_path, layouts: dict[str, list[str]]) 
     """Per named layout: 8 straight steps saving at 4 (run dir <name>), all in one `nproc`-rank world; then a
     fresh world resumes each from its step 4 (run dir <name>_resumed). Two worlds whatever the number of
     layouts: a world's start-up (torchrun, imports, rendezvous: ~6 s) costs more than a tiny run."""
-    straight = run_configs(nproc, [overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
-                                   for name, layout in layouts.items()], tmp_path)
-    resumed = run_configs(nproc, [overrides(tmp_path, f"{name}_resumed", *STEPS8, *layout,
-                                            f"checkpoint.dir={tmp_path}/{name}_resumed/checkpoints",
-                                            f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
-                                  for name, layout in layouts.items()], tmp_path)
+    straight = run_configs(
+        nproc,
+        [overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4") for name, layout in layouts.items()],
+        tmp_path,
+    )
+    resumed = run_configs(
+        nproc,
+        [
+            overrides(
+                tmp_path,
+                f"{name}_resumed",
+                *STEPS8,
+                *layout,
+                f"checkpoint.dir={tmp_path}/{name}_resumed/checkpoints",
+                f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}",
+            )
+            for name, layout in layouts.items()
+        ],
+        tmp_path,
+    )
     assert all(len(r["losses"]) == 4 for r in resumed), [len(r["losses"]) for r in resumed]
     return dict(zip(layouts, zip(straight, resumed)))
 
@@ -59,8 +82,10 @@ def straights_then_resumed(nproc: int, tmp_path, layouts: dict[str, list[str]]) 
 def test_exact_resume_8_equals_4_plus_4(tmp_path):
     """8 straight steps (saving at 4) vs a fresh process resuming from step 4: loss and grad norm <= 1e-6; also
     for a blend of two datasets (data.path a list, data.weights), whose stream the resume must pick up in both."""
-    other = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", "train.bin"), dtype=np.uint16,
-                        count=120_000)[40_000:] % TEST_VOCAB  # later text than the folded corpus's
+    other = (
+        np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", "train.bin"), dtype=np.uint16, count=120_000)[40_000:]
+        % TEST_VOCAB
+    )  # later text than the folded corpus's
     second = write_prepared(tmp_path / "second", {"train": other[:60_000], "val": other[60_000:]}, TEST_VOCAB)
     blend = [f"data.path=[{test_corpus()[0].split('=', 1)[1]},{second}]", "data.weights=[1,3]"]
     runs = straights_then_resumed(1, tmp_path, {"straight": [], "blend": blend})
@@ -82,9 +107,14 @@ def killed_writing_step_4(args: list[str], ckpt: str, step: int = 4, **env: str)
     """Run 2 ranks of fault_worker.py, rank 1 SIGKILLed while it writes step 4's checkpoint (env: more fault
     knobs); the job fails, `latest` stays step 2 (with step=2, the first save: there is none) and step 4 never
     commits. Returns the job."""
-    crashed = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
-                             env=rank_env(KILL_RANK="1", KILL_TAG=step_name(step), **env), cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
+    crashed = subprocess.run(
+        torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/fault_worker.py"), *args),
+        env=rank_env(KILL_RANK="1", KILL_TAG=step_name(step), **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     clean_shared_memory()
     assert crashed.returncode != 0, "the injected SIGKILL did not fail the job"
     assert latest_checkpoint(ckpt) == (os.path.join(ckpt, step_name(step - 2)) if step > 2 else None)
@@ -100,10 +130,14 @@ def test_killed_checkpoint_write_is_never_loaded(stage, tmp_path):
     ckpt = f"{tmp_path}/run/checkpoints"
     killed_writing_step_4(args, ckpt)
 
-    resumed, straight = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
-                                                     f"zero.stage={stage}"],
-                                        real_corpus_overrides(tmp_path, "straight", *STEPS8, f"zero.stage={stage}")],
-                                       tmp_path)
+    resumed, straight = run_configs(
+        2,
+        [
+            args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2", f"zero.stage={stage}"],
+            real_corpus_overrides(tmp_path, "straight", *STEPS8, f"zero.stage={stage}"),
+        ],
+        tmp_path,
+    )
     with open(f"{tmp_path}/run/metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps[-6:] == [3, 4, 5, 6, 7, 8], steps  # the restart continued from step 2
@@ -119,33 +153,49 @@ def test_killed_first_checkpoint_write_starts_fresh(tmp_path):
     args = real_corpus_overrides(tmp_path, "run", *STEPS8, "checkpoint.interval=2", "zero.stage=1")
     ckpt = f"{tmp_path}/run/checkpoints"
     killed_writing_step_4(args, ckpt, step=2)
-    restarted, straight = run_configs(2, [args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2",
-                                                       "zero.stage=1"],
-                                          real_corpus_overrides(tmp_path, "straight", *STEPS8, "zero.stage=1")],
-                                      tmp_path)
+    restarted, straight = run_configs(
+        2,
+        [
+            args[:-3] + ["checkpoint.resume=auto", "checkpoint.interval=2", "zero.stage=1"],
+            real_corpus_overrides(tmp_path, "straight", *STEPS8, "zero.stage=1"),
+        ],
+        tmp_path,
+    )
     assert len(restarted["losses"]) == 8
     assert_continues(restarted, straight, 1e-6, "restart after an interrupted first save")
     assert latest_checkpoint(ckpt) == os.path.join(ckpt, step_name(8))
     assert os.path.isfile(os.path.join(ckpt, step_name(2), "meta.json")) or not os.path.exists(
-        os.path.join(ckpt, step_name(2)))  # rewritten (or pruned by checkpoint.keep), never the leftover
+        os.path.join(ckpt, step_name(2))
+    )  # rewritten (or pruned by checkpoint.keep), never the leftover
 
 
 def resume_at(tmp_path, name: str, layout: list[str], dp_to: int) -> list[str]:
     """Overrides that resume run `name`'s step-4 checkpoint on `dp_to` ranks (into a checkpoint dir of its own)."""
-    return overrides(tmp_path, f"{name}_to{dp_to}", *STEPS8, *layout,
-                     f"checkpoint.dir={tmp_path}/{name}_to{dp_to}_ckpt",
-                     f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
+    return overrides(
+        tmp_path,
+        f"{name}_to{dp_to}",
+        *STEPS8,
+        *layout,
+        f"checkpoint.dir={tmp_path}/{name}_to{dp_to}_ckpt",
+        f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}",
+    )
 
 
 def staged_runs(tmp_path):
     """(run, resume): run(name, stage, *extra) trains 8 steps at a ZeRO stage saving at 4; resume(name, source,
     stage, *extra) does so from run `source`'s step 4 (into a checkpoint dir of its own)."""
+
     def run(name: str, stage: int, *extra: str) -> list[str]:
         return overrides(tmp_path, name, *STEPS8, f"zero.stage={stage}", "checkpoint.interval=4", *extra)
 
     def resume(name: str, source: str, stage: int, *extra: str) -> list[str]:
-        return run(name, stage, *extra, f"checkpoint.dir={tmp_path}/{name}_ckpt",
-                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+        return run(
+            name,
+            stage,
+            *extra,
+            f"checkpoint.dir={tmp_path}/{name}_ckpt",
+            f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}",
+        )
 
     return run, resume
 
@@ -156,8 +206,9 @@ def test_elastic_dp_resume(tmp_path):
     ZeRO-2, 4 -> 2: the cheapest case, in `make test-fast`. ZeRO-1 is not repeated here: its states are ZeRO-2's (one
     optimizer class, one universal conversion), and a ZeRO-1 checkpoint is resumed on another layout in
     test_pipeline_checkpoint and test_context_parallel."""
-    (straight,) = run_configs(4, [overrides(tmp_path, "z2_4", *STEPS8, "checkpoint.interval=4", "zero.stage=2")],
-                              tmp_path)
+    (straight,) = run_configs(
+        4, [overrides(tmp_path, "z2_4", *STEPS8, "checkpoint.interval=4", "zero.stage=2")], tmp_path
+    )
     (resized,) = run_configs(2, [resume_at(tmp_path, "z2_4", ["zero.stage=2"], 2)], tmp_path)
     assert len(resized["losses"]) == 4
     assert_continues(resized, straight, 1e-4, "zero.stage=2: DP 4 -> 2 resume")
@@ -169,17 +220,30 @@ def test_elastic_dp_resume_zero3_and_growing(tmp_path):
     straight runs at 2 with the 4 -> 2 resume; the 2 -> 4 resumes), since a world's start-up costs more than a
     tiny run (4 ranks on 2 cores: ~13 s)."""
     layouts = {f"z{stage}": [f"zero.stage={stage}"] for stage in (2, 3)}
-    (z3_at4,) = run_configs(4, [overrides(tmp_path, "z3_4", *STEPS8, "checkpoint.interval=4", *layouts["z3"])],
-                            tmp_path)
-    z2_at2, z3_at2, z3_4to2 = run_configs(2, [
-        *(overrides(tmp_path, f"{name}_2", *STEPS8, "checkpoint.interval=4", *layout)
-          for name, layout in layouts.items()),
-        resume_at(tmp_path, "z3_4", layouts["z3"], 2)], tmp_path)
-    z2_2to4, z3_2to4 = run_configs(4, [resume_at(tmp_path, f"{name}_2", layout, 4) for name, layout in layouts.items()],
-                                   tmp_path)
-    assert_each_continues(((z3_4to2, z3_at4, "zero.stage=3: DP 4 -> 2"),
-                           (z2_2to4, z2_at2, "zero.stage=2: DP 2 -> 4"),
-                           (z3_2to4, z3_at2, "zero.stage=3: DP 2 -> 4")))
+    (z3_at4,) = run_configs(
+        4, [overrides(tmp_path, "z3_4", *STEPS8, "checkpoint.interval=4", *layouts["z3"])], tmp_path
+    )
+    z2_at2, z3_at2, z3_4to2 = run_configs(
+        2,
+        [
+            *(
+                overrides(tmp_path, f"{name}_2", *STEPS8, "checkpoint.interval=4", *layout)
+                for name, layout in layouts.items()
+            ),
+            resume_at(tmp_path, "z3_4", layouts["z3"], 2),
+        ],
+        tmp_path,
+    )
+    z2_2to4, z3_2to4 = run_configs(
+        4, [resume_at(tmp_path, f"{name}_2", layout, 4) for name, layout in layouts.items()], tmp_path
+    )
+    assert_each_continues(
+        (
+            (z3_4to2, z3_at4, "zero.stage=3: DP 4 -> 2"),
+            (z2_2to4, z2_at2, "zero.stage=2: DP 2 -> 4"),
+            (z3_2to4, z3_at2, "zero.stage=3: DP 2 -> 4"),
+        )
+    )
 
 
 @pytest.mark.parametrize("stage,tp_to,nproc_to", [(1, 1, 2), pytest.param(2, 4, 4, marks=pytest.mark.slow)])
@@ -187,12 +251,26 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
     """Save at tp=2 x dp=2, resume at tp=1 x dp=2 or tp=4 x dp=1 (through DeepSpeed's universal format with our
     split patterns): loss and grad norm continue the uninterrupted run within 1e-4."""
     name = f"tp2_z{stage}"
-    (straight,) = run_configs(4, [overrides(tmp_path, name, *STEPS8, "checkpoint.interval=4", "parallel.tp=2",
-                                            f"zero.stage={stage}")], tmp_path)
-    (resharded,) = run_configs(nproc_to, [overrides(tmp_path, f"{name}_to{tp_to}", *STEPS8, f"zero.stage={stage}",
-                                                    f"parallel.tp={tp_to}", f"checkpoint.dir={tmp_path}/{name}_to{tp_to}_ckpt",
-                                                    f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")],
-                               tmp_path)
+    (straight,) = run_configs(
+        4,
+        [overrides(tmp_path, name, *STEPS8, "checkpoint.interval=4", "parallel.tp=2", f"zero.stage={stage}")],
+        tmp_path,
+    )
+    (resharded,) = run_configs(
+        nproc_to,
+        [
+            overrides(
+                tmp_path,
+                f"{name}_to{tp_to}",
+                *STEPS8,
+                f"zero.stage={stage}",
+                f"parallel.tp={tp_to}",
+                f"checkpoint.dir={tmp_path}/{name}_to{tp_to}_ckpt",
+                f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}",
+            )
+        ],
+        tmp_path,
+    )
     assert len(resharded["losses"]) == 4
     assert_continues(resharded, straight, 1e-4, f"zero.stage={stage}: tp 2 -> {tp_to} resume")
 
@@ -210,24 +288,37 @@ def test_zero0_resharding_on_resume(tmp_path):
     run, resume = staged_runs(tmp_path)
 
     (z0_split,) = run_configs(4, [run("z0_split", 0, *split)], tmp_path)
-    z0_whole, z1_whole, merged, merged_z1 = run_configs(2, [
-        run("z0_whole", 0), run("z1_whole", 1), resume("merged", "z0_split", 0), resume("merged_z1", "z0_split", 1)],
-        tmp_path)
+    z0_whole, z1_whole, merged, merged_z1 = run_configs(
+        2,
+        [run("z0_whole", 0), run("z1_whole", 1), resume("merged", "z0_split", 0), resume("merged_z1", "z0_split", 1)],
+        tmp_path,
+    )
     # Into tp 2 x dp 2 at ZeRO 1 and 2, where DeepSpeed's loader (until 2026-11-29) cut what a tp=1 checkpoint
     # recorded: before 2026-11-28 tp=1 recorded no split patterns and it cut fused QKV and row-parallel weights
     # along dim 0 (loss 9.02 at the step after the resume, above the initial 9.01; found by trying it from outside).
-    resplit, resplit_z1, z1_tp2, z0_tp2_z2, z1_split = run_configs(4, [
-        resume("resplit", "z0_whole", 0, *split), resume("resplit_z1", "z1_whole", 0, *split),
-        resume("z1_tp2", "z1_whole", 1, "parallel.tp=2"), resume("z0_tp2_z2", "z0_whole", 2, "parallel.tp=2"),
-        resume("z1_split", "z1_whole", 1, *split)], tmp_path)
-    assert_each_continues(((merged, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2"),
-                           (merged_z1, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2 at zero.stage=1"),
-                           (resplit, z0_whole, "tp 1 x dp 2 -> tp 2 x pp 2"),
-                           (resplit_z1, z1_whole, "zero.stage=1 at tp 1 x dp 2 -> tp 2 x pp 2"),
-                           (z1_tp2, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x dp 2"),
-                           (z0_tp2_z2, z0_whole, "tp 1 x dp 2 -> zero.stage=2 at tp 2 x dp 2"),
-                           (z1_split, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x pp 2")),
-                          "zero.stage=0: ")
+    resplit, resplit_z1, z1_tp2, z0_tp2_z2, z1_split = run_configs(
+        4,
+        [
+            resume("resplit", "z0_whole", 0, *split),
+            resume("resplit_z1", "z1_whole", 0, *split),
+            resume("z1_tp2", "z1_whole", 1, "parallel.tp=2"),
+            resume("z0_tp2_z2", "z0_whole", 2, "parallel.tp=2"),
+            resume("z1_split", "z1_whole", 1, *split),
+        ],
+        tmp_path,
+    )
+    assert_each_continues(
+        (
+            (merged, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2"),
+            (merged_z1, z0_split, "tp 2 x pp 2 -> tp 1 x dp 2 at zero.stage=1"),
+            (resplit, z0_whole, "tp 1 x dp 2 -> tp 2 x pp 2"),
+            (resplit_z1, z1_whole, "zero.stage=1 at tp 1 x dp 2 -> tp 2 x pp 2"),
+            (z1_tp2, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x dp 2"),
+            (z0_tp2_z2, z0_whole, "tp 1 x dp 2 -> zero.stage=2 at tp 2 x dp 2"),
+            (z1_split, z1_whole, "zero.stage=1: tp 1 x dp 2 -> tp 2 x pp 2"),
+        ),
+        "zero.stage=0: ",
+    )
 
 
 def test_zero3_resharding_on_resume(tmp_path):
@@ -241,16 +332,28 @@ def test_zero3_resharding_on_resume(tmp_path):
     run, resume = staged_runs(tmp_path)
 
     z3_tp2, z1_dp2 = run_configs(2, [run("z3_tp2", 3, "parallel.tp=2"), run("z1_dp2", 1)], tmp_path)
-    merged, merged_cpu, merged_z0, split, to_z2, to_z1_cpu = run_configs(2, [
-        resume("merged", "z3_tp2", 3), resume("merged_cpu", "z3_tp2", 3, "zero.offload_optimizer=cpu"),
-        resume("merged_z0", "z3_tp2", 0), resume("split", "z1_dp2", 3, "parallel.tp=2"),
-        resume("to_z2", "z3_tp2", 2), resume("to_z1_cpu", "z3_tp2", 1, "zero.offload_optimizer=cpu")], tmp_path)
-    assert_each_continues(((merged, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2"),
-                           (merged_cpu, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2 with CPU Adam"),
-                           (merged_z0, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=0 at tp 1 x dp 2"),
-                           (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2"),
-                           (to_z2, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=2 at tp 1 x dp 2"),
-                           (to_z1_cpu, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=1 with CPU Adam")))
+    merged, merged_cpu, merged_z0, split, to_z2, to_z1_cpu = run_configs(
+        2,
+        [
+            resume("merged", "z3_tp2", 3),
+            resume("merged_cpu", "z3_tp2", 3, "zero.offload_optimizer=cpu"),
+            resume("merged_z0", "z3_tp2", 0),
+            resume("split", "z1_dp2", 3, "parallel.tp=2"),
+            resume("to_z2", "z3_tp2", 2),
+            resume("to_z1_cpu", "z3_tp2", 1, "zero.offload_optimizer=cpu"),
+        ],
+        tmp_path,
+    )
+    assert_each_continues(
+        (
+            (merged, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2"),
+            (merged_cpu, z3_tp2, "zero.stage=3: tp 2 -> tp 1 x dp 2 with CPU Adam"),
+            (merged_z0, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=0 at tp 1 x dp 2"),
+            (split, z1_dp2, "zero.stage=1 at tp 1 x dp 2 -> zero.stage=3 at tp 2"),
+            (to_z2, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=2 at tp 1 x dp 2"),
+            (to_z1_cpu, z3_tp2, "zero.stage=3 at tp 2 -> zero.stage=1 with CPU Adam"),
+        )
+    )
 
 
 def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
@@ -266,21 +369,44 @@ def test_zero0_and_zero1_convert_into_each_other_in_bf16(tmp_path):
     Step 8 is not compared: it follows a jump of the loss (5.29 -> 6.0) at which the two stages' own straight runs
     already part by 4.5e-2 on one machine, and where the resumed ones parted by 5.4e-2 on that machine and by 7.8e-2
     on another with the same torch and DeepSpeed (the bound of 5e-2 on all four steps failed there every time)."""
+
     def run(name: str, stage: int, *extra: str, precision: str = "bf16") -> list[str]:
-        return overrides(tmp_path, name, *STEPS8, f"train.precision={precision}", f"zero.stage={stage}",
-                         "checkpoint.interval=4", *extra)
+        return overrides(
+            tmp_path,
+            name,
+            *STEPS8,
+            f"train.precision={precision}",
+            f"zero.stage={stage}",
+            "checkpoint.interval=4",
+            *extra,
+        )
 
     def resume(name: str, stage: int, source: str, precision: str = "bf16") -> list[str]:
-        return run(name, stage, f"checkpoint.dir={tmp_path}/{name}_ckpt",
-                   f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}", precision=precision)
+        return run(
+            name,
+            stage,
+            f"checkpoint.dir={tmp_path}/{name}_ckpt",
+            f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}",
+            precision=precision,
+        )
 
     z0, z1, z2_fp32 = run_configs(2, [run("z0", 0), run("z1", 1), run("z2_fp32", 2, precision="fp32")], tmp_path)
-    to_z1, to_z0, to_fp32, to_bf16 = run_configs(2, [
-        resume("z0_to_z1", 1, "z0"), resume("z1_to_z0", 0, "z1"), resume("z1_to_fp32_z2", 2, "z1", "fp32"),
-        resume("z2_fp32_to_bf16", 2, "z2_fp32")], tmp_path)
-    for resumed, straight, what in ((to_z1, z1, "ZeRO-0 -> ZeRO-1"), (to_z0, z0, "ZeRO-1 -> ZeRO-0"),
-                                    (to_fp32, z1, "ZeRO-1 -> fp32 ZeRO-2"),
-                                    (to_bf16, z2_fp32, "fp32 ZeRO-2 -> bf16 ZeRO-2")):
+    to_z1, to_z0, to_fp32, to_bf16 = run_configs(
+        2,
+        [
+            resume("z0_to_z1", 1, "z0"),
+            resume("z1_to_z0", 0, "z1"),
+            resume("z1_to_fp32_z2", 2, "z1", "fp32"),
+            resume("z2_fp32_to_bf16", 2, "z2_fp32"),
+        ],
+        tmp_path,
+    )
+    for resumed, straight, what in (
+        (to_z1, z1, "ZeRO-0 -> ZeRO-1"),
+        (to_z0, z0, "ZeRO-1 -> ZeRO-0"),
+        (to_fp32, z1, "ZeRO-1 -> fp32 ZeRO-2"),
+        (to_bf16, z2_fp32, "fp32 ZeRO-2 -> bf16 ZeRO-2"),
+    ):
         assert len(resumed["losses"]) == 4, what
         gap = max_abs_diff(resumed["losses"][:3], straight["losses"][4:7])
         assert gap <= 1e-2, f"bf16 {what} at step 4: losses at steps 5-7 differ from the straight run by {gap:.2e}"
@@ -294,11 +420,19 @@ def test_hf_export_from_tp2_equals_export_from_tp1(tmp_path):
     max 1.1e-5. A wrong merge (a permuted or misplaced shard) would differ by the weights' scale, ~2e-2. The
     runs' grad norms agree within 1e-4 (relative; measured 2.0e-7)."""
     steps = ["train.steps=2"]
-    tp1 = run_configs(1, [overrides(tmp_path, "tp1_z1", *steps, "zero.stage=1"),
-                          overrides(tmp_path, "tp1_z0", *steps, "zero.stage=0")], tmp_path)
-    tp2 = run_configs(4, [overrides(tmp_path, "tp2_z1", *steps, "zero.stage=1", "parallel.tp=2"),
-                          overrides(tmp_path, "tp2_z0", *steps, "zero.stage=0", "parallel.tp=2", "parallel.pp=2")],
-                      tmp_path)
+    tp1 = run_configs(
+        1,
+        [overrides(tmp_path, "tp1_z1", *steps, "zero.stage=1"), overrides(tmp_path, "tp1_z0", *steps, "zero.stage=0")],
+        tmp_path,
+    )
+    tp2 = run_configs(
+        4,
+        [
+            overrides(tmp_path, "tp2_z1", *steps, "zero.stage=1", "parallel.tp=2"),
+            overrides(tmp_path, "tp2_z0", *steps, "zero.stage=0", "parallel.tp=2", "parallel.pp=2"),
+        ],
+        tmp_path,
+    )
     for stage, one, two in zip((1, 0), tp1, tp2):
         norms = max_relative_diff(two["grad_norms"], one["grad_norms"])
         assert norms <= 1e-4, f"zero.stage={stage}: tp=2 grad norms differ from tp=1 by {norms:.2e} (relative)"
@@ -310,17 +444,21 @@ def test_weights_only_checkpoint_trains_at_tp2_with_its_vocabulary_repadded(tmp_
     to 576 rows. At tp 2 the model has 640 (model.vocab_multiple 64 x tp), so the rows are re-padded with zeros as
     the weights are loaded (it refused with "wrong shapes" before). Two steps from it at tp 1 and at tp 2 + SP:
     losses within 1e-5, grad norms within 1e-4 relative (only cross-rank sums differ)."""
+    from omegaconf import OmegaConf
+
     from megatron_lite.checkpoint.weights import save_model_state
     from megatron_lite.cli import compose_config
     from megatron_lite.model.gpt import GPT
-    from omegaconf import OmegaConf
 
     vocab = ["model.vocab_size=520"]
     model_cfg = OmegaConf.to_object(compose_config(overrides(tmp_path, "probe", *vocab))).model
     save_model_state(str(tmp_path / "imported"), model_cfg, GPT(model_cfg, seed=11).materialize().state_dict())
     common = ["train.steps=2", *vocab, f"checkpoint.resume={tmp_path}/imported/{step_name(0)}"]
-    one, two = run_configs(2, [overrides(tmp_path, "tp1", *common),
-                               overrides(tmp_path, "tp2", *common, "parallel.tp=2", "parallel.sp=true")], tmp_path)
+    one, two = run_configs(
+        2,
+        [overrides(tmp_path, "tp1", *common), overrides(tmp_path, "tp2", *common, "parallel.tp=2", "parallel.sp=true")],
+        tmp_path,
+    )
     assert max_abs_diff(two["losses"], one["losses"]) <= 1e-5, (one["losses"], two["losses"])
     assert max_relative_diff(two["grad_norms"], one["grad_norms"]) <= 1e-4, (one["grad_norms"], two["grad_norms"])
 
@@ -330,17 +468,33 @@ def test_cpu_offload_switched_on_at_a_resume(tmp_path):
     (DeepSpeed's CPU Adam): the loaded groups lacked CPU Adam's bias_correction, a KeyError at the first step,
     until the engine put back every hyperparameter of its own optimizer. The same layout, but CPU Adam's own
     arithmetic from step 5 on: 1e-4 (measured: losses <= 1e-6, norms 5.4e-6)."""
-    straight = run_configs(2, [overrides(tmp_path, "z1", *STEPS8, "zero.stage=1", "checkpoint.interval=4")], tmp_path)[0]
-    (resumed,) = run_configs(2, [overrides(tmp_path, "z1_cpu", *STEPS8, "zero.stage=1", "zero.offload_optimizer=cpu",
-                                           f"checkpoint.dir={tmp_path}/z1_cpu/checkpoints",
-                                           f"checkpoint.resume={tmp_path}/z1/checkpoints/{step_name(4)}")], tmp_path)
+    straight = run_configs(2, [overrides(tmp_path, "z1", *STEPS8, "zero.stage=1", "checkpoint.interval=4")], tmp_path)[
+        0
+    ]
+    (resumed,) = run_configs(
+        2,
+        [
+            overrides(
+                tmp_path,
+                "z1_cpu",
+                *STEPS8,
+                "zero.stage=1",
+                "zero.offload_optimizer=cpu",
+                f"checkpoint.dir={tmp_path}/z1_cpu/checkpoints",
+                f"checkpoint.resume={tmp_path}/z1/checkpoints/{step_name(4)}",
+            )
+        ],
+        tmp_path,
+    )
     assert len(resumed["losses"]) == 4
     assert_continues(resumed, straight, 1e-4, "ZeRO-1 resumed with CPU offload")
 
 
 @pytest.mark.slow  # DeepSpeed's async I/O op builds in the background while the other tests run (tests/conftest.py)
 @pytest.mark.timeout(1500)
-@pytest.mark.skipif(not async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
+@pytest.mark.skipif(
+    not async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)"
+)
 def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
     """ZeRO-3 with the optimizer swapped to NVMe (the matrices' sub-group; the vectors' is too small to swap and
     stays in memory), alone and with the parameters on NVMe too (its checkpoints written in the background:
@@ -353,24 +507,54 @@ def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
     checkpoint into CPU offload, a CPU-offload checkpoint into NVMe; and the NVMe checkpoint's HF export equals
     the CPU-offload run's (the same arithmetic: 1e-6)."""
     nvme = ["zero.stage=3", "zero.offload_optimizer=nvme"]
-    layouts = {"nvme": [*nvme, f"zero.nvme_path={tmp_path}/swap_nvme"],
-               "nvme_all": [*nvme, "zero.offload_param=nvme", f"zero.nvme_path={tmp_path}/swap_nvme_all",
-                            "checkpoint.async_save=true"],
-               "cpu": ["zero.stage=3", "zero.offload_optimizer=cpu"]}
-    straight = dict(zip(layouts, run_configs(2, [overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
-                                                 for name, layout in layouts.items()], tmp_path)))
+    layouts = {
+        "nvme": [*nvme, f"zero.nvme_path={tmp_path}/swap_nvme"],
+        "nvme_all": [
+            *nvme,
+            "zero.offload_param=nvme",
+            f"zero.nvme_path={tmp_path}/swap_nvme_all",
+            "checkpoint.async_save=true",
+        ],
+        "cpu": ["zero.stage=3", "zero.offload_optimizer=cpu"],
+    }
+    straight = dict(
+        zip(
+            layouts,
+            run_configs(
+                2,
+                [
+                    overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
+                    for name, layout in layouts.items()
+                ],
+                tmp_path,
+            ),
+        )
+    )
 
     def resumed(name: str, source: str, *layout: str) -> list[str]:
-        return overrides(tmp_path, name, *STEPS8, *layout, f"checkpoint.dir={tmp_path}/{name}/checkpoints",
-                         f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}")
+        return overrides(
+            tmp_path,
+            name,
+            *STEPS8,
+            *layout,
+            f"checkpoint.dir={tmp_path}/{name}/checkpoints",
+            f"checkpoint.resume={tmp_path}/{source}/checkpoints/{step_name(4)}",
+        )
 
     same = run_configs(2, [resumed(f"{name}_resumed", name, *layouts[name]) for name in ("nvme", "nvme_all")], tmp_path)
     for name, result in zip(("nvme", "nvme_all"), same):
         assert len(result["losses"]) == 4, name
         assert_continues(result, straight[name], 1e-6, f"{name} resume")
         assert not os.path.exists(f"{tmp_path}/{name}/checkpoints/{step_name(4)}/universal"), name  # no conversion
-    across = run_configs(1, [resumed("nvme_to_cpu", "nvme", "zero.stage=3", "zero.offload_optimizer=cpu"),
-                             resumed("cpu_to_nvme", "cpu", *nvme, f"zero.nvme_path={tmp_path}/swap_into")], tmp_path)
-    assert_each_continues(zip(across, (straight["nvme"], straight["cpu"]),
-                              ("nvme -> cpu at dp 1", "cpu -> nvme at dp 1")))
+    across = run_configs(
+        1,
+        [
+            resumed("nvme_to_cpu", "nvme", "zero.stage=3", "zero.offload_optimizer=cpu"),
+            resumed("cpu_to_nvme", "cpu", *nvme, f"zero.nvme_path={tmp_path}/swap_into"),
+        ],
+        tmp_path,
+    )
+    assert_each_continues(
+        zip(across, (straight["nvme"], straight["cpu"]), ("nvme -> cpu at dp 1", "cpu -> nvme at dp 1"))
+    )
     assert_same_hf_export(tmp_path, ("nvme", "cpu"), 1e-6)

@@ -28,6 +28,7 @@ import pytest
 
 from megatron_lite.checkpoint import store
 from megatron_lite.engine.build_locks import stat_fields
+
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs, torchrun_cmd
@@ -59,8 +60,14 @@ def _catches_usr1(pid: int) -> bool:
 
 
 def launch(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(torchrun_cmd(2, TRAIN, *args), env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        torchrun_cmd(2, TRAIN, *args),
+        env=rank_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[str, str]:
@@ -107,8 +114,11 @@ def test_signal_mid_run_saves_at_the_next_step_boundary_and_resumes(tmp_path):
     assert store.latest_checkpoint(ckpt) == os.path.join(ckpt, store.step_name(last))
     assert store.verify(store.latest_checkpoint(ckpt), checksums=True) is None
 
-    straight, resumed = run_configs(2, [overrides(tmp_path, "straight", *LONG),
-                                        overrides(tmp_path, "run", *LONG, "checkpoint.resume=auto")], tmp_path)
+    straight, resumed = run_configs(
+        2,
+        [overrides(tmp_path, "straight", *LONG), overrides(tmp_path, "run", *LONG, "checkpoint.resume=auto")],
+        tmp_path,
+    )
     assert logged_steps(run_dir) == list(range(1, 61))
     assert_continues(resumed, straight, 1e-6, f"resumed after a stop at step {last}")
 
@@ -138,8 +148,14 @@ def test_stop_signals_while_a_finished_run_exits_change_nothing(tmp_path):
     tries), which torchrun and Slurm take for a crash; train.py now ignores stop signals once the run returned."""
     for attempt in range(3):
         args = overrides(tmp_path, f"exit{attempt}", "train.steps=2", "train.eval_interval=0")
-        proc = subprocess.Popen([sys.executable, TRAIN, *args], env=rank_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, TRAIN, *args],
+            env=rank_env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             for line in proc.stdout:
                 if line.startswith("saved "):  # the last step's checkpoint: the run is over, the process exits
@@ -160,11 +176,22 @@ def test_stop_signals_while_a_finished_run_exits_change_nothing(tmp_path):
 def _signalled_start_up(run_dir: str, delay: float, sig: int, group: bool, env: dict) -> tuple[int, str, float | None]:
     """One run of the tiny model, signalled `delay` seconds after its handlers are installed. Returns its exit
     code, its output, and when (after the handlers) it printed its layout line, the last line of start-up."""
-    args = overrides(os.path.dirname(run_dir), os.path.basename(run_dir), "train.steps=4", "train.eval_interval=0",
-                     f"logging.wandb.mode={env['WANDB_MODE']}")
+    args = overrides(
+        os.path.dirname(run_dir),
+        os.path.basename(run_dir),
+        "train.steps=4",
+        "train.eval_interval=0",
+        f"logging.wandb.mode={env['WANDB_MODE']}",
+    )
     with open(f"{run_dir}.log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, TRAIN, *args], env=env, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, TRAIN, *args],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 120
             while not _catches_usr1(proc.pid):
@@ -200,14 +227,17 @@ def test_twenty_signals_at_random_moments_of_start_up_exit_0(tmp_path):
         start_up = 6.0  # seconds: the shortest start-up this lane has measured
         for k, sig, group, fraction in tries[first::2]:
             delay = fraction * start_up
-            code, out, laid_out = _signalled_start_up(f"{tmp_path}/try{k}", delay, sig, group,
-                                                      rank_env(WANDB_MODE=wandb_mode, PYTHONUNBUFFERED="1"))
+            code, out, laid_out = _signalled_start_up(
+                f"{tmp_path}/try{k}", delay, sig, group, rank_env(WANDB_MODE=wandb_mode, PYTHONUNBUFFERED="1")
+            )
             start_up = min(start_up, laid_out or start_up)
             results.append((k, "stop signal during start-up" in out))
             ok = code == 0 and "Traceback" not in out and "terminate called" not in out
             if not ok:
-                failures.append(f"try {k} ({signal.Signals(sig).name} to the {'group' if group else 'process'} "
-                                f"{delay:.2f} s in, wandb {wandb_mode}): exit {code}\n{out[-1500:]}")
+                failures.append(
+                    f"try {k} ({signal.Signals(sig).name} to the {'group' if group else 'process'} "
+                    f"{delay:.2f} s in, wandb {wandb_mode}): exit {code}\n{out[-1500:]}"
+                )
 
     lanes = [threading.Thread(target=lane, args=(0, "disabled")), threading.Thread(target=lane, args=(1, "offline"))]
     for t in lanes:
@@ -228,8 +258,15 @@ def test_sigterm_to_the_group_while_deepspeed_builds_its_op_exits_0(tmp_path):
     extensions = f"{tmp_path}/torch_extensions"  # empty: the op is built, as on a fresh machine
     env = rank_env(WANDB_MODE="disabled", TORCH_EXTENSIONS_DIR=extensions)
     args = overrides(tmp_path, "build", "train.steps=4")
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         while not _ninja_running(proc.pid):

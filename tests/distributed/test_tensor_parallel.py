@@ -18,8 +18,12 @@ from tests.distributed.tp_worker import TOL
 
 
 def expected_cases(tp: int, backend: str) -> set[str]:
-    return {f"{flavour} tp={tp} sp={sp} kernels={backend} {what}" for flavour in ("gpt2", "llama-gqa")
-            for sp in (False, True) for what in ("loss, logits", "gradients")}
+    return {
+        f"{flavour} tp={tp} sp={sp} kernels={backend} {what}"
+        for flavour in ("gpt2", "llama-gqa")
+        for sp in (False, True)
+        for what in ("loss, logits", "gradients")
+    }
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -37,8 +41,14 @@ def test_triton_kernels_under_tensor_and_sequence_parallel_match_serial():
 
 
 def test_dropout_masks_differ_inside_tp_regions_and_agree_outside():
-    proc = subprocess.run(torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/dropout_worker.py")),
-                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        torchrun_cmd(2, os.path.join(ROOT, "tests/distributed/dropout_worker.py")),
+        env=rank_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     clean_shared_memory()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dropout checks passed" in proc.stdout

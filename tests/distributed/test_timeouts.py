@@ -13,6 +13,7 @@ import subprocess
 import time
 
 from megatron_lite.engine.build_locks import stat_fields
+
 # the fault tests train on the real corpus (tests/distributed/common.py, real_corpus_overrides)
 from tests.distributed.common import real_corpus_overrides as overrides
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
@@ -22,8 +23,14 @@ from tests.distributed.test_signals import workers
 def test_hung_rank_ends_the_job_within_the_step_timeout(tmp_path):
     run_dir = f"{tmp_path}/hang"
     args = overrides(tmp_path, "hang", "train.steps=100000", "dist.step_timeout_s=5", "dist.timeout_s=600")
-    proc = subprocess.Popen(torchrun_cmd(2, os.path.join(ROOT, "train.py"), *args), env=rank_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(2, os.path.join(ROOT, "train.py"), *args),
+        env=rank_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = workers(proc)
     try:
         while not os.path.exists(f"{run_dir}/metrics.jsonl") or len(open(f"{run_dir}/metrics.jsonl").readlines()) < 3:

@@ -22,9 +22,22 @@ KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_
 def train(run_dir, *overrides):
     env = rank_env(WANDB_MODE="offline")
     env.pop("WANDB_API_KEY", None)
-    proc = subprocess.run([sys.executable, "train.py", f"run.dir={run_dir}", "train.global_batch_size=8",
-                           "train.micro_batch_size=4", "logging.wandb.mode=auto", *overrides],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"run.dir={run_dir}",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            "logging.wandb.mode=auto",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     clean_shared_memory()
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -32,8 +45,14 @@ def train(run_dir, *overrides):
 
 def test_train_py_logs_checkpoints_and_resumes_the_same_wandb_run(tmp_path):
     run_dir = tmp_path / "run"
-    first = train(run_dir, "train.steps=4", "checkpoint.interval=2", "train.eval_interval=3",
-                  "train.eval_iters=2", "checkpoint.keep=1")
+    first = train(
+        run_dir,
+        "train.steps=4",
+        "checkpoint.interval=2",
+        "train.eval_interval=3",
+        "train.eval_iters=2",
+        "checkpoint.keep=1",
+    )
     assert "MFU" in first.stdout and "peak" in first.stdout and "warning: an evaluation" not in first.stdout
     assert "validation at step 3: loss " in first.stdout  # every evaluation gets a line (log_interval or not)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -65,17 +84,36 @@ def test_blend_evaluates_each_dataset_on_its_own(tmp_path):
     and pp 2 (a layout only reorders sums). A larger init_std (0.3) parts the two datasets' losses by 1.9e-2,
     so a swap shows (at 0.02 they were 3e-4 apart)."""
     corpus = test_corpus()[0].split("=", 1)[1]
-    other = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", "train.bin"), dtype=np.uint16,
-                        count=120_000)[40_000:] % TEST_VOCAB  # later text than the folded corpus's
+    other = (
+        np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", "train.bin"), dtype=np.uint16, count=120_000)[40_000:]
+        % TEST_VOCAB
+    )  # later text than the folded corpus's
     second = write_prepared(tmp_path / "second", {"train": other[:60_000], "val": other[60_000:]}, TEST_VOCAB)
-    still = ["train.steps=2", "train.eval_interval=2", "train.eval_iters=2", "optim.lr=1e-9", "optim.min_lr=0",
-             "model.init_std=0.3",
-             "checkpoint.interval=0", "checkpoint.keep=0"]
+    still = [
+        "train.steps=2",
+        "train.eval_interval=2",
+        "train.eval_iters=2",
+        "optim.lr=1e-9",
+        "optim.min_lr=0",
+        "model.init_std=0.3",
+        "checkpoint.interval=0",
+        "checkpoint.keep=0",
+    ]
     blend = [f"data.path=[{corpus},{second}]", "data.weights=[1,3]", "train.eval_per_dataset=true"]
-    run_configs(1, [overrides(tmp_path, "a", *still), overrides(tmp_path, "b", *still, f"data.path={second}"),
-                            overrides(tmp_path, "blend", *still, *blend)], tmp_path)
-    run_configs(2, [overrides(tmp_path, "dp2", *still, *blend),
-                               overrides(tmp_path, "pp2", *still, *blend, "parallel.pp=2")], tmp_path)
+    run_configs(
+        1,
+        [
+            overrides(tmp_path, "a", *still),
+            overrides(tmp_path, "b", *still, f"data.path={second}"),
+            overrides(tmp_path, "blend", *still, *blend),
+        ],
+        tmp_path,
+    )
+    run_configs(
+        2,
+        [overrides(tmp_path, "dp2", *still, *blend), overrides(tmp_path, "pp2", *still, *blend, "parallel.pp=2")],
+        tmp_path,
+    )
 
     def evaluation(name: str) -> dict:
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -92,17 +130,26 @@ def test_blend_evaluates_each_dataset_on_its_own(tmp_path):
     for name in ("dp2", "pp2"):
         other_layout = evaluation(name)
         assert other_layout.keys() == blended.keys() and all(
-            abs(other_layout[k] / blended[k] - 1) <= 1e-6 for k in blended), (name, other_layout, blended)
+            abs(other_layout[k] / blended[k] - 1) <= 1e-6 for k in blended
+        ), (name, other_layout, blended)
 
 
 def test_profile_steps_write_a_trace_of_those_steps_on_those_ranks(tmp_path):
     """train.profile_steps / profile_ranks at dp 2: each named rank writes a Chrome trace holding the window's
     steps and no other, and an op table; a run that ends inside the window writes what it recorded."""
     common = ["train.eval_interval=0", "checkpoint.interval=0", "checkpoint.keep=0"]
-    run_configs(2, [overrides(tmp_path, "both", *common, "train.steps=4", "train.profile_steps=[2,3]",
-                              "train.profile_ranks=[0,1]"),
-                    overrides(tmp_path, "cut", *common, "train.steps=2", "train.profile_steps=[2,5]",
-                              "train.profile_ranks=[1]")], tmp_path)
+    run_configs(
+        2,
+        [
+            overrides(
+                tmp_path, "both", *common, "train.steps=4", "train.profile_steps=[2,3]", "train.profile_ranks=[0,1]"
+            ),
+            overrides(
+                tmp_path, "cut", *common, "train.steps=2", "train.profile_steps=[2,5]", "train.profile_ranks=[1]"
+            ),
+        ],
+        tmp_path,
+    )
 
     def steps_in(trace) -> set[str]:
         with gzip.open(trace, "rt") as f:
@@ -130,16 +177,34 @@ def test_a_full_disk_at_a_save_ends_the_run_in_one_line_and_keeps_the_last_check
         pytest.skip("mounting a tmpfs needs root")
     try:
         env = rank_env()
-        proc = subprocess.run([sys.executable, "train.py", f"run.dir={tmp_path}/run", f"checkpoint.dir={small}/ck",
-                               "train.steps=6", "checkpoint.interval=2", "checkpoint.keep=1", "train.eval_interval=0",
-                               "logging.wandb.mode=disabled", f"checkpoint.async_save={str(async_save).lower()}"],
-                              cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "train.py",
+                f"run.dir={tmp_path}/run",
+                f"checkpoint.dir={small}/ck",
+                "train.steps=6",
+                "checkpoint.interval=2",
+                "checkpoint.keep=1",
+                "train.eval_interval=0",
+                "logging.wandb.mode=disabled",
+                f"checkpoint.async_save={str(async_save).lower()}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         clean_shared_memory()
         errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
         assert proc.returncode == 3 and len(errors) == 1, (proc.returncode, proc.stderr[-2000:])
-        assert errors[0].startswith(f"error: checkpoint of step 4 could not be written: checkpoint.dir={small}/ck is "
-                                    "full (") and f"{small}/ck/step_0000002, is intact" in errors[0], errors[0]
+        assert (
+            errors[0].startswith(
+                f"error: checkpoint of step 4 could not be written: checkpoint.dir={small}/ck is full ("
+            )
+            and f"{small}/ck/step_0000002, is intact" in errors[0]
+        ), errors[0]
         assert "background write" not in errors[0], errors[0]  # the cause itself, not the wrapper cut short
         assert latest_checkpoint(f"{small}/ck") == f"{small}/ck/{step_name(2)}"
     finally:
@@ -155,9 +220,12 @@ def test_a_checkpoint_dir_turned_read_only_is_said_in_one_line(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     try:
         assert subprocess.run(["mount", "-o", "remount,ro", str(ck)]).returncode == 0
-        with pytest.raises(RunError, match=rf"^checkpoint of step 4 could not be written: checkpoint.dir={ck} is "
-                                           r"read-only \(RuntimeError: Parent directory .*\); none was committed yet: "
-                                           r"make it writable"):
+        with pytest.raises(
+            RunError,
+            match=rf"^checkpoint of step 4 could not be written: checkpoint.dir={ck} is "
+            r"read-only \(RuntimeError: Parent directory .*\); none was committed yet: "
+            r"make it writable",
+        ):
             with _said_if_unwritable(str(ck), 4):
                 raise RuntimeError("Parent directory /x/step_0000004 does not exist.")  # torch.save's words
         with pytest.raises(ValueError):  # anything else on a writable, roomy file system is not ours to name
@@ -170,29 +238,52 @@ def test_a_checkpoint_dir_turned_read_only_is_said_in_one_line(tmp_path):
 def test_an_evaluation_larger_than_the_validation_split_is_said(tmp_path):
     """eval_iters x global_batch_size samples beyond the split's (360 windows of 128 tokens here): the set wraps
     around and some samples count more than once, which the start of the run says."""
-    out = train(tmp_path / "run", "train.steps=1", "train.eval_interval=0", "train.eval_iters=50",
-                "checkpoint.interval=0", "logging.wandb.mode=disabled")
+    out = train(
+        tmp_path / "run",
+        "train.steps=1",
+        "train.eval_interval=0",
+        "train.eval_iters=50",
+        "checkpoint.interval=0",
+        "logging.wandb.mode=disabled",
+    )
     assert "warning: an evaluation reads" not in out.stdout  # nothing evaluates: nothing said
-    out = train(tmp_path / "run2", "train.steps=1", "train.eval_interval=1", "train.eval_iters=50",
-                "checkpoint.interval=0", "logging.wandb.mode=disabled")
-    assert ("warning: an evaluation reads train.eval_iters x train.global_batch_size = 400 validation samples, more "
-            "than the validation split has (data/shakespeare-8k holds 360 for its 400)") in out.stdout, out.stdout
+    out = train(
+        tmp_path / "run2",
+        "train.steps=1",
+        "train.eval_interval=1",
+        "train.eval_iters=50",
+        "checkpoint.interval=0",
+        "logging.wandb.mode=disabled",
+    )
+    assert (
+        "warning: an evaluation reads train.eval_iters x train.global_batch_size = 400 validation samples, more "
+        "than the validation split has (data/shakespeare-8k holds 360 for its 400)"
+    ) in out.stdout, out.stdout
 
 
 def test_a_run_from_imported_weights_says_so(tmp_path):
     """A weights-only checkpoint (what an HF import writes) starts a run at step 0, which the start of the run
     says (until 2026-11-29 nothing did: noticed from outside), naming what starts afresh."""
+    from omegaconf import OmegaConf
+
     from megatron_lite.checkpoint.weights import save_model_state
     from megatron_lite.cli import compose_config
     from megatron_lite.model.gpt import GPT
-    from omegaconf import OmegaConf
 
     model_cfg = OmegaConf.to_object(compose_config([])).model
     save_model_state(str(tmp_path / "imported"), model_cfg, GPT(model_cfg, seed=5).state_dict())
-    out = train(tmp_path / "run", "train.steps=1", "train.eval_interval=0", "checkpoint.interval=0",
-                "logging.wandb.mode=disabled", f"checkpoint.resume={tmp_path}/imported/{step_name(0)}")
-    assert (f"starting from the weights of {tmp_path}/imported/{step_name(0)} (weights only: a new optimizer, "
-            "schedule and data stream from step 1)") in out.stdout, out.stdout
+    out = train(
+        tmp_path / "run",
+        "train.steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+        "logging.wandb.mode=disabled",
+        f"checkpoint.resume={tmp_path}/imported/{step_name(0)}",
+    )
+    assert (
+        f"starting from the weights of {tmp_path}/imported/{step_name(0)} (weights only: a new optimizer, "
+        "schedule and data stream from step 1)"
+    ) in out.stdout, out.stdout
 
 
 def test_resume_never_keeps_the_checkpoints_already_there(tmp_path):
@@ -201,10 +292,23 @@ def test_resume_never_keeps_the_checkpoints_already_there(tmp_path):
     resume=auto could have picked one. They are set aside (renamed step_N.before_resume_never.<time>) and said."""
     ck = f"{tmp_path}/ck"
     # two calls: one call's one-rank runs train at once, in the two halves of the pool (launcher.run_configs)
-    run_configs(1, [overrides(tmp_path, "first", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={ck}")],
-                tmp_path)
-    run_configs(1, [overrides(tmp_path, "second", "train.steps=3", "checkpoint.interval=3", "checkpoint.keep=1",
-                              f"checkpoint.dir={ck}")], tmp_path)
+    run_configs(
+        1, [overrides(tmp_path, "first", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={ck}")], tmp_path
+    )
+    run_configs(
+        1,
+        [
+            overrides(
+                tmp_path,
+                "second",
+                "train.steps=3",
+                "checkpoint.interval=3",
+                "checkpoint.keep=1",
+                f"checkpoint.dir={ck}",
+            )
+        ],
+        tmp_path,
+    )
     names = sorted(os.listdir(ck))
     aside = [n for n in names if n.startswith(f"{step_name(2)}.before_resume_never.")]
     assert len(aside) == 1 and step_name(3) in names and step_name(2) not in names, names

@@ -19,8 +19,11 @@ from tests.distributed.launcher import run_configs
 
 def _tensors(target: str) -> dict:
     zero = os.path.join(target, "zero")
-    return {name: torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)["param"]
-            for name in sorted(os.listdir(zero)) if os.path.isdir(os.path.join(zero, name))}
+    return {
+        name: torch.load(os.path.join(zero, name, "fp32.pt"), weights_only=False)["param"]
+        for name in sorted(os.listdir(zero))
+        if os.path.isdir(os.path.join(zero, name))
+    }
 
 
 def _convert(path: str, queue) -> None:
@@ -52,8 +55,12 @@ def test_a_conversion_is_checked_before_reuse_and_made_once_by_concurrent_jobs(t
     dead = subprocess.Popen(["true"])
     dead.wait()
     host, left = socket.gethostname(), os.path.join(os.path.dirname(path), f".{step_name(2)}_universal.tmp.")
-    leftovers = {f"{left}{host}.{dead.pid}.0a0b": False, f"{left}{host}.{dead.pid}.0a0b.input": False,
-                 f"{left}{host}.{os.getpid()}.0c0d": True, f"{left}elsewhere.{dead.pid}.0e0f": True}
+    leftovers = {
+        f"{left}{host}.{dead.pid}.0a0b": False,
+        f"{left}{host}.{dead.pid}.0a0b.input": False,
+        f"{left}{host}.{os.getpid()}.0c0d": True,
+        f"{left}elsewhere.{dead.pid}.0e0f": True,
+    }
     for leftover in leftovers:
         os.makedirs(os.path.join(leftover, "zero"))
 
@@ -74,6 +81,7 @@ def test_a_conversion_is_checked_before_reuse_and_made_once_by_concurrent_jobs(t
     monkeypatch.setattr(universal.os, "access", lambda p, mode: os.path.realpath(p) != os.path.realpath(path))
     elsewhere = universal.universal_dir(path, str(tmp_path / "mine"))
     assert os.path.dirname(elsewhere) == str(tmp_path / "mine") and os.path.basename(elsewhere).startswith(
-        ".universal_of_step_0000002_")
+        ".universal_of_step_0000002_"
+    )
     assert universal.convert_to_universal(path, elsewhere) == elsewhere
     assert all(torch.equal(good[name], value) for name, value in _tensors(elsewhere).items())

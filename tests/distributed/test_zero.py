@@ -53,8 +53,10 @@ MORE = pytest.param(["z2-optimizer", "z3-optimizer"], marks=pytest.mark.slow)
 @pytest.mark.parametrize("names", [["z3-optimizer-params"], MORE], ids=["quick", "more"])
 def test_cpu_offload_matches_no_offload(names, reference, tmp_path):
     """Optimizer states on the CPU (stages 2 and 3), and at stage 3 the parameters too; one world per tier."""
-    runs = [overrides(tmp_path, name, f"zero.stage={OFFLOAD[name][0]}", "zero.offload_optimizer=cpu",
-                      *OFFLOAD[name][1]) for name in names]
+    runs = [
+        overrides(tmp_path, name, f"zero.stage={OFFLOAD[name][0]}", "zero.offload_optimizer=cpu", *OFFLOAD[name][1])
+        for name in names
+    ]
     for name, result in zip(names, run_configs(2, runs, tmp_path)):
         assert_follows(result, reference, f"CPU offload {name}")
 
@@ -70,7 +72,9 @@ def test_tensor_parallel_with_zero_matches_single_process(reference, tmp_path):
 
 @pytest.mark.slow  # its op builds in the background while the other tests run (tests/conftest.py)
 @pytest.mark.timeout(1500)  # the wait for that build (conftest.BUILD_WAIT_S), then the test
-@pytest.mark.skipif(not async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)")
+@pytest.mark.skipif(
+    not async_io_available(), reason="NVMe offload needs libaio (make test installs libaio-dev as root)"
+)
 def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
     """Optimizer states on NVMe, and optimizer states plus parameters on NVMe (ZeRO-3 both: DeepSpeed's ZeRO-1/2
     take an NVMe optimizer as CPU offload, which validation refuses), through DeepSpeed's async I/O on a local
@@ -80,8 +84,18 @@ def test_nvme_offload_matches_no_offload(async_io_op, reference, tmp_path):
     (repairs.honour_explicit_zero3_dtype): without it the swapped embedding came back rounded to bf16 and the
     losses drifted by 2.3e-4."""
     kinds = {"opt": ["zero.offload_param=none"], "all": ["zero.offload_param=nvme"]}
-    runs = [overrides(tmp_path, f"nvme_{kind}", "zero.stage=3", "zero.offload_optimizer=nvme", *extra,
-                      f"zero.nvme_path={tmp_path}/nvme", "checkpoint.interval=6") for kind, extra in kinds.items()]
+    runs = [
+        overrides(
+            tmp_path,
+            f"nvme_{kind}",
+            "zero.stage=3",
+            "zero.offload_optimizer=nvme",
+            *extra,
+            f"zero.nvme_path={tmp_path}/nvme",
+            "checkpoint.interval=6",
+        )
+        for kind, extra in kinds.items()
+    ]
     for kind, result in zip(kinds, run_configs(2, runs, tmp_path)):
         assert_follows(result, reference, f"ZeRO-3 NVMe offload ({kind})")
         assert glob.glob(f"{tmp_path}/nvme_{kind}/checkpoints/*/offloaded_tensors/rank*/*.swp"), kind
@@ -97,8 +111,14 @@ def test_a_zero3_run_leaves_the_next_run_in_its_world_unchanged(tmp_path, monkey
     run in a fresh world of its own, bit for bit (without the restore its losses moved in the 7th digit). Every
     run of a test world also checks that nothing of it is left (worker.check_nothing_left)."""
     layout = ["zero.stage=1", "model.dropout=0.1", "train.steps=4"]
-    _, after = run_configs(2, [overrides(tmp_path, "z3", "model=llama-tiny", "zero.stage=3", "train.steps=2"),
-                               overrides(tmp_path, "after_z3", *layout)], tmp_path)
+    _, after = run_configs(
+        2,
+        [
+            overrides(tmp_path, "z3", "model=llama-tiny", "zero.stage=3", "train.steps=2"),
+            overrides(tmp_path, "after_z3", *layout),
+        ],
+        tmp_path,
+    )
     monkeypatch.setenv("MEGATRON_LITE_TEST_POOL", "0")
     (alone,) = run_configs(2, [overrides(tmp_path, "alone", *layout)], tmp_path)
     assert after["losses"] == alone["losses"] and after["grad_norms"] == alone["grad_norms"], (after, alone)

@@ -17,14 +17,25 @@ import torch.distributed as dist
 from megatron_lite.config import ModelConfig
 from megatron_lite.model import layout
 from megatron_lite.model.gpt import GPT
-from megatron_lite.parallel.layers import shard_segments
 from megatron_lite.model.parallelize import parallelize
+from megatron_lite.parallel.layers import shard_segments
 
 FLAVOURS = {
     "gpt2": dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=16),
-    "llama-gqa": dict(n_layers=2, n_heads=8, n_kv_heads=4, d_model=64, ffn_hidden=96, vocab_size=1000,
-                      seq_len=16, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                      tie_embeddings=False),
+    "llama-gqa": dict(
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        d_model=64,
+        ffn_hidden=96,
+        vocab_size=1000,
+        seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
 
 # Relative to each tensor's norm, not absolute: an absolute 1e-5 is met by every entry smaller than 1e-5,

@@ -74,8 +74,10 @@ def check_nothing_left(overrides: list[str]) -> None:
         time.sleep(0.1)
         threads = count()
     if groups > 1 or threads > GLOO_THREADS_PER_GROUP * groups:
-        raise AssertionError(f"the run {overrides} left {groups - 1} process groups besides the default one and "
-                             f"{threads} gloo threads ({GLOO_THREADS_PER_GROUP} are the default group's)")
+        raise AssertionError(
+            f"the run {overrides} left {groups - 1} process groups besides the default one and "
+            f"{threads} gloo threads ({GLOO_THREADS_PER_GROUP} are the default group's)"
+        )
 
 
 if __name__ == "__main__":

@@ -12,9 +12,20 @@ from megatron_lite.model.gpt import GPT
 
 FLAVOURS = {
     "gpt2": dict(n_layers=2, n_heads=6, d_model=384, vocab_size=5003, seq_len=256),
-    "llama-gqa": dict(n_layers=2, n_heads=6, n_kv_heads=2, d_model=384, ffn_hidden=1000, vocab_size=5003,
-                      seq_len=256, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                      tie_embeddings=False),
+    "llama-gqa": dict(
+        n_layers=2,
+        n_heads=6,
+        n_kv_heads=2,
+        d_model=384,
+        ffn_hidden=1000,
+        vocab_size=5003,
+        seq_len=256,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
 # Relative error ||a - b|| / ||b|| per tensor: fp32 kernels only reorder reductions; in bf16 the fused code
 # rounds intermediates at other places than the unfused torch ops (one bf16 ulp is 0.8%).
@@ -67,5 +78,7 @@ def test_compiled_triton_blocks_share_one_graph(flavour):
     counters.clear()
     compiled.compile_blocks()
     assert_follows(compiled, eager, TOL[torch.bfloat16])
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], \
-        (dict(counters["stats"]), dict(counters["graph_break"]))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (
+        dict(counters["stats"]),
+        dict(counters["graph_break"]),
+    )

@@ -24,14 +24,39 @@ from tests.distributed.test_resume import STEPS8
 def test_bf16_training_waits_once_a_step_and_resumes_from_an_async_checkpoint(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 8192, 400_000)
     data = write_prepared(tmp_path / "data", {"train": tokens, "val": tokens[:20_000]}, 8192)
-    layouts = {f"zero{stage}": [f"data.path={data}", "train.precision=bf16", f"zero.stage={stage}",
-                                "checkpoint.async_save=true"] for stage in (0, 1)}
-    straight = run_configs(1, [real_corpus_overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
-                               for name, layout in layouts.items()], tmp_path, worker=WORKER)
-    resumed = run_configs(1, [real_corpus_overrides(tmp_path, f"{name}_resumed", *STEPS8, *layout,
-                                        f"checkpoint.dir={tmp_path}/{name}_resumed/checkpoints",
-                                        f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}")
-                              for name, layout in layouts.items()], tmp_path)
+    layouts = {
+        f"zero{stage}": [
+            f"data.path={data}",
+            "train.precision=bf16",
+            f"zero.stage={stage}",
+            "checkpoint.async_save=true",
+        ]
+        for stage in (0, 1)
+    }
+    straight = run_configs(
+        1,
+        [
+            real_corpus_overrides(tmp_path, name, *STEPS8, *layout, "checkpoint.interval=4")
+            for name, layout in layouts.items()
+        ],
+        tmp_path,
+        worker=WORKER,
+    )
+    resumed = run_configs(
+        1,
+        [
+            real_corpus_overrides(
+                tmp_path,
+                f"{name}_resumed",
+                *STEPS8,
+                *layout,
+                f"checkpoint.dir={tmp_path}/{name}_resumed/checkpoints",
+                f"checkpoint.resume={tmp_path}/{name}/checkpoints/{step_name(4)}",
+            )
+            for name, layout in layouts.items()
+        ],
+        tmp_path,
+    )
     for name, first, second in zip(layouts, straight, resumed):
         waits = first["host_waits"]
         assert waits["device_syncs"] == {}, f"{name}: device-wide synchronize in a step: {waits['device_syncs']}"
@@ -47,9 +72,22 @@ def test_profile_steps_record_the_gpu_kernels(tmp_path):
     """train.profile_steps on CUDA: the trace holds the window's steps and GPU kernels; two op tables."""
     tokens = np.random.default_rng(0).integers(0, 8192, 200_000)
     data = write_prepared(tmp_path / "data", {"train": tokens, "val": tokens[:20_000]}, 8192)
-    run_configs(1, [real_corpus_overrides(tmp_path, "prof", f"data.path={data}", "train.steps=3",
-                                          "train.precision=bf16", "train.profile_steps=[2,3]", "checkpoint.interval=0",
-                                          "train.eval_interval=0")], tmp_path)
+    run_configs(
+        1,
+        [
+            real_corpus_overrides(
+                tmp_path,
+                "prof",
+                f"data.path={data}",
+                "train.steps=3",
+                "train.precision=bf16",
+                "train.profile_steps=[2,3]",
+                "checkpoint.interval=0",
+                "train.eval_interval=0",
+            )
+        ],
+        tmp_path,
+    )
     base = tmp_path / "prof" / "profile" / "rank0_steps2-3"
     with gzip.open(f"{base}.json.gz", "rt") as f:
         events = json.load(f)["traceEvents"]

@@ -62,8 +62,15 @@ def _link_torch(site: str) -> None:
 
 def offline_env() -> dict:
     """This environment with pip's index off and every proxy unreachable."""
-    env = dict(os.environ, PIP_NO_INDEX="1", http_proxy=UNREACHABLE, https_proxy=UNREACHABLE,
-               HTTP_PROXY=UNREACHABLE, HTTPS_PROXY=UNREACHABLE, PIP_CONFIG_FILE=os.devnull)
+    env = dict(
+        os.environ,
+        PIP_NO_INDEX="1",
+        http_proxy=UNREACHABLE,
+        https_proxy=UNREACHABLE,
+        HTTP_PROXY=UNREACHABLE,
+        HTTPS_PROXY=UNREACHABLE,
+        PIP_CONFIG_FILE=os.devnull,
+    )
     # `make test ARGS=...` passes its ARGS down: in MAKEFLAGS, and as an environment variable of its own (make
     # exports command-line variables), which `make bench-gpu` would otherwise append to its command
     for key in ("VIRTUAL_ENV", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS"):
@@ -84,8 +91,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(name: str, cmd: list[str], **kw) -> bool:
         proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-        steps.append({"step": name, "cmd": cmd, "returncode": proc.returncode, "stdout": proc.stdout[-3000:],
-                      "stderr": proc.stderr[-3000:]})
+        steps.append(
+            {
+                "step": name,
+                "cmd": cmd,
+                "returncode": proc.returncode,
+                "stdout": proc.stdout[-3000:],
+                "stderr": proc.stderr[-3000:],
+            }
+        )
         with open(os.path.join(args.out, "steps.json.tmp"), "w") as f:
             json.dump({"wheelhouse": wheelhouse, "clone": clone, "steps": steps}, f, indent=1)
         os.replace(os.path.join(args.out, "steps.json.tmp"), os.path.join(args.out, "steps.json"))
@@ -97,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     os.symlink(wheelhouse, os.path.join(clone, "wheelhouse"))
     venv.create(os.path.join(clone, ".venv"), with_pip=True)  # no system site-packages: only torch is there beforehand
     py = os.path.join(clone, ".venv", "bin", "python")
-    site = subprocess.check_output([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   text=True).strip()
+    site = subprocess.check_output(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    ).strip()
     _link_torch(os.path.join(args.out, "node_torch"))
     with open(os.path.join(site, "node_torch.pth"), "w") as f:
         f.write(os.path.join(args.out, "node_torch") + "\n")

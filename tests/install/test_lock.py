@@ -88,8 +88,14 @@ print("theirs:", kernels.__file__, "ours:", ops.__file__)
 def test_hugging_faces_kernels_and_ours_in_one_process(where):
     """From the root, tools/ and tests/ as the process's first path (as a script there has it)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    got = subprocess.run([sys.executable, "-c", BOTH], cwd=os.path.join(ROOT, where), env=env,
-                         capture_output=True, text=True, timeout=300)
+    got = subprocess.run(
+        [sys.executable, "-c", BOTH],
+        cwd=os.path.join(ROOT, where),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     ours = got.stdout.split()[3]
     assert ours.startswith(os.path.join(ROOT, "megatron_lite", "kernels")), got.stdout

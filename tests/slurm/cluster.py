@@ -65,8 +65,11 @@ class Cluster:
         self.dir = scratch
         self.conf = os.path.join(scratch, "slurm.conf")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
-        self.pid_files = [os.path.join(scratch, "munge", "munged.pid"), os.path.join(scratch, "slurmctld.pid"),
-                          *(os.path.join(scratch, f"slurmd-{node}.pid") for node in NODES)]
+        self.pid_files = [
+            os.path.join(scratch, "munge", "munged.pid"),
+            os.path.join(scratch, "slurmctld.pid"),
+            *(os.path.join(scratch, f"slurmd-{node}.pid") for node in NODES),
+        ]
         # free ports, not Slurm's defaults: another cluster on this machine (a second test run) keeps its own
         self.ctld_port, self.node_ports = free_port(), [free_port() for _ in NODES]
 
@@ -76,20 +79,39 @@ class Cluster:
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         shutil.chown(os.path.join(d, "munge"), "munge", "munge")
         with open(self.conf, "w") as f:
-            f.write(CONF.format(d=d, ctld_port=self.ctld_port, node_lines="\n".join(
-                f"NodeName={node} NodeHostname=localhost Port={port} CPUs=4 RealMemory=4000 State=UNKNOWN"
-                for node, port in zip(NODES, self.node_ports))))
+            f.write(
+                CONF.format(
+                    d=d,
+                    ctld_port=self.ctld_port,
+                    node_lines="\n".join(
+                        f"NodeName={node} NodeHostname=localhost Port={port} CPUs=4 RealMemory=4000 State=UNKNOWN"
+                        for node, port in zip(NODES, self.node_ports)
+                    ),
+                )
+            )
         munge = os.path.join(d, "munge")
-        self._run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={munge}/munge.socket.2",
-                   f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
+        self._run(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                "/usr/sbin/munged",
+                f"--socket={munge}/munge.socket.2",
+                f"--pid-file={munge}/munged.pid",
+                f"--log-file={munge}/munged.log",
+                f"--seed-file={munge}/munged.seed",
+            ]
+        )
         self._run(["/usr/sbin/slurmctld", "-f", self.conf])
         for node in NODES:
             self._run(["/usr/sbin/slurmd", "-f", self.conf, "-N", node])
         deadline = time.time() + 60
         while self.query(["sinfo", "-h", "-o", "%T %D"]) != "idle 2":
             if time.time() > deadline:
-                raise RuntimeError(f"the cluster did not come up: sinfo says {self.query(['sinfo', '-h'])!r}; "
-                                   f"logs in {d}/log")
+                raise RuntimeError(
+                    f"the cluster did not come up: sinfo says {self.query(['sinfo', '-h'])!r}; logs in {d}/log"
+                )
             time.sleep(0.5)
 
     def _run(self, cmd: list[str]) -> None:
@@ -118,8 +140,15 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
 
     def submit(self, args: list[str], cwd: str, env: dict) -> str:
-        out = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env={**env, "SLURM_CONF": self.conf},
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            cwd=cwd,
+            env={**env, "SLURM_CONF": self.conf},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         return out.strip().split(";")[0]
 
     def state(self, job: str) -> str:

@@ -27,15 +27,33 @@ from tests.distributed.common import logged_records
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env
 
 STEPS, INTERVAL = 40, 5
-TRAIN = [f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.warmup_steps=2",
-         "optim.lr=3e-3", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=0", "logging.wandb.mode=disabled",
-         "train.precision=fp32", "train.eval_interval=0", "dist.step_timeout_s=60"]
+TRAIN = [
+    f"train.steps={STEPS}",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    f"checkpoint.interval={INTERVAL}",
+    "checkpoint.keep=0",
+    "logging.wandb.mode=disabled",
+    "train.precision=fp32",
+    "train.eval_interval=0",
+    "dist.step_timeout_s=60",
+]
 
 
 def submit(cluster, run_dir: str, *overrides: str, **env: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
-    args = ["--nodes=2", "--ntasks-per-node=1", f"--output={run_dir}/slurm.out", "--job-name=ci",
-            os.path.join(ROOT, "slurm/train.sbatch"), f"run.dir={run_dir}", *TRAIN, *overrides]
+    args = [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        f"--output={run_dir}/slurm.out",
+        "--job-name=ci",
+        os.path.join(ROOT, "slurm/train.sbatch"),
+        f"run.dir={run_dir}",
+        *TRAIN,
+        *overrides,
+    ]
     # a free rendezvous port rather than the script's job-id default: job ids restart at 1 in every test cluster
     env = rank_env(PY=os.path.join(ROOT, ".venv/bin/python"), TRAIN_MASTER_PORT=str(free_port()), **env)
     return cluster.submit(args, cwd=ROOT, env=env)
@@ -116,7 +134,9 @@ def test_a_killed_rank_is_requeued_and_resumes(cluster, uninterrupted, tmp_path)
     wait_for_step(run_dir, 3, cluster, job)
     cluster.signal_batch(job, "USR1")
     wait_for_step(run_dir, 2 * INTERVAL + 2, cluster, job)  # resumed, a checkpoint after the stop, steps after it
-    ranks = subprocess.run(["pgrep", "-f", f"train.py run.dir={run_dir} "], capture_output=True, text=True).stdout.split()
+    ranks = subprocess.run(
+        ["pgrep", "-f", f"train.py run.dir={run_dir} "], capture_output=True, text=True
+    ).stdout.split()
     assert ranks, "no rank found to kill"
     os.kill(int(ranks[-1]), signal.SIGKILL)
     records, out = finish(cluster, job, run_dir)
@@ -135,8 +155,10 @@ def test_a_config_error_ends_the_job_in_one_line_without_requeue(cluster, tmp_pa
     job = submit(cluster, run_dir, "parallel.tp=3")  # 3 does not divide the 2 ranks
     records, out = finish(cluster, job, run_dir)
     errors = [line for line in out.splitlines() if "error" in line]
-    assert errors == ["config error: parallel.tp=3 makes tp*cp*pp=3 (tp=3, cp=1, pp=1), which must divide the "
-                      "world size 2; pick tp*cp*pp among 1 or 2"], out[-3000:]
+    assert errors == [
+        "config error: parallel.tp=3 makes tp*cp*pp=3 (tp=3, cp=1, pp=1), which must divide the "
+        "world size 2; pick tp*cp*pp among 1 or 2"
+    ], out[-3000:]
     assert "requeueing" not in out and "Traceback" not in out and not records, out[-3000:]
     assert not os.path.exists(os.path.join(run_dir, "checkpoints"))
 

@@ -23,8 +23,11 @@ def test_every_committed_record_renders(path):
         record = json.load(f)
     text = gpu_report.markdown(record)
     for r in record["throughput"]:  # one table row per case, measured or failed
-        head = f"| {r['model']} | {r['micro_batch']} x {r['seq_len']}" if "error" not in r \
+        head = (
+            f"| {r['model']} | {r['micro_batch']} x {r['seq_len']}"
+            if "error" not in r
             else f"| {r['model']} | | {r['side']} | failed"
+        )
         rows = [line for line in text.splitlines() if line.startswith(head) and f" | {r['side']} |" in line]
         assert len(rows) == 1, (head, text)
     for reached in record.get("not_reached", []):
@@ -95,8 +98,13 @@ def test_profile_sums_each_kernel_once():
     def event(device, us, annotation=False):
         return SimpleNamespace(device_type=device, self_device_time_total=us, is_user_annotation=annotation)
 
-    events = [event(cpu, 300.0), event(cuda, 200.0), event(cuda, 100.0),  # aten::mm, its two kernels
-              event(cuda, 50.0, annotation=True), event(cuda, 50.0)]      # Optimizer.step, multi_tensor_apply
+    events = [
+        event(cpu, 300.0),
+        event(cuda, 200.0),
+        event(cuda, 100.0),  # aten::mm, its two kernels
+        event(cuda, 50.0, annotation=True),
+        event(cuda, 50.0),
+    ]  # Optimizer.step, multi_tensor_apply
     assert bench_gpu.device_seconds(events) == pytest.approx(350e-6)
 
 
@@ -137,14 +145,35 @@ def test_global_batch_sides_accumulate_and_compare_with_baselines_at_the_same_ba
         bench_gpu.side_overrides("gpt-1.3b", 4, 2048, "ours-globalx")
 
     def row(side, tokens_per_s, glob=4):
-        return {"model": "gpt-1.3b", "side": side, "micro_batch": 4, "global_batch": glob, "seq_len": 2048,
-                "step_s": 0.1, "tokens_per_s": tokens_per_s, "tflops": 1.0, "mfu": 0.5, "mem_peak_gib": 1.0}
+        return {
+            "model": "gpt-1.3b",
+            "side": side,
+            "micro_batch": 4,
+            "global_batch": glob,
+            "seq_len": 2048,
+            "step_s": 0.1,
+            "tokens_per_s": tokens_per_s,
+            "tflops": 1.0,
+            "mfu": 0.5,
+            "mem_peak_gib": 1.0,
+        }
 
-    record = {"device": "GPU", "date": "d", "commit": "c", "torch": "t", "triton": "t", "peak_tflops": 989.0,
-              "ceilings": {"copy_GBps": 1.0, "matmul_bf16_tflops": 1.0},
-              "tests": {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": []},
-              "throughput": [row("compiled", 100.0), row("ours-compile-global16", 150.0, 16),
-                             row("compiled-global16", 120.0, 16), row("ours-compile", 90.0)]}
+    record = {
+        "device": "GPU",
+        "date": "d",
+        "commit": "c",
+        "torch": "t",
+        "triton": "t",
+        "peak_tflops": 989.0,
+        "ceilings": {"copy_GBps": 1.0, "matmul_bf16_tflops": 1.0},
+        "tests": {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "failures": []},
+        "throughput": [
+            row("compiled", 100.0),
+            row("ours-compile-global16", 150.0, 16),
+            row("compiled-global16", 120.0, 16),
+            row("ours-compile", 90.0),
+        ],
+    }
     lines = gpu_report.markdown(record).splitlines()
     glob_row = next(line for line in lines if "| ours-compile-global16 |" in line)
     assert glob_row.startswith("| gpt-1.3b | 4 x 2048, 4 a step |") and glob_row.endswith("| - | 1.25x |"), glob_row

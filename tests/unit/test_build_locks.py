@@ -27,9 +27,16 @@ def op_folder(tmp_path):
 
 def take_lock(lock: str) -> subprocess.Popen:
     """A child that takes the lock as torch's extension build does and keeps it until killed."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from torch.utils.file_baton import FileBaton; "
-                               f"assert FileBaton({lock!r}).try_acquire(); print('held', flush=True); time.sleep(600)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from torch.utils.file_baton import FileBaton; "
+            f"assert FileBaton({lock!r}).try_acquire(); print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     return holder
 

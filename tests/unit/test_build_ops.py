@@ -29,9 +29,15 @@ def _working_in(folder: str) -> list[tuple[int, str]]:
 
 def test_sigterm_mid_compile_stops_the_compilers_and_releases_the_lock(tmp_path):
     extensions = str(tmp_path / "torch_extensions")
-    build = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "build_ops.py"), "ShareMemCommBuilder"],
-                             env=dict(os.environ, TORCH_EXTENSIONS_DIR=extensions), cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    build = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tools", "build_ops.py"), "ShareMemCommBuilder"],
+        env=dict(os.environ, TORCH_EXTENSIONS_DIR=extensions),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         while not any(name == "cc1plus" for _, name in _working_in(extensions)):

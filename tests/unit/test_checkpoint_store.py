@@ -22,9 +22,13 @@ def commit(root, step: int, files: dict[str, bytes] | None = None, move_latest: 
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
     cfg = load(["train.precision=fp32"], world_size=1)
-    meta = {"kind": "deepspeed", "step": step, "manifest": store.manifest_share(path, 0, 1),
-            "config": {"model": vars(cfg.model)},
-            "layout": {"world_size": 1, "dp": 1, "tp": 1, "pp": 1, "vpp": 1, "zero_stage": 0, "precision": "fp32"}}
+    meta = {
+        "kind": "deepspeed",
+        "step": step,
+        "manifest": store.manifest_share(path, 0, 1),
+        "config": {"model": vars(cfg.model)},
+        "layout": {"world_size": 1, "dp": 1, "tp": 1, "pp": 1, "vpp": 1, "zero_stage": 0, "precision": "fp32"},
+    }
     store.atomic_write(os.path.join(path, store.META), store.meta_text(meta))
     if move_latest:
         store.atomic_write(os.path.join(root, store.LATEST), store.step_name(step))
@@ -78,8 +82,10 @@ def test_latest_is_a_pointer_every_committed_checkpoint_is_a_candidate(tmp_path)
     commit(tmp_path, 12, move_latest=False)
     newest_first = [os.path.join(tmp_path, store.step_name(s)) for s in (12, 8, 4)]
     latest = os.path.join(tmp_path, store.LATEST)
-    assert store.resume_candidates(tmp_path) == (newest_first, [
-        f"{latest} names step_0000008, older than the committed step_0000012"])
+    assert store.resume_candidates(tmp_path) == (
+        newest_first,
+        [f"{latest} names step_0000008, older than the committed step_0000012"],
+    )
     store.atomic_write(latest, store.step_name(2))
     assert store.resume_candidates(tmp_path)[0] == newest_first
     for garbage in (b"\xff\xfe\x00garbage", b"", b"step_12"):
@@ -101,8 +107,11 @@ def test_prune_keeps_newer_checkpoints_and_renames_committed_ones_aside(tmp_path
     os.makedirs(os.path.join(tmp_path, store.step_name(3)))  # an uncommitted leftover
     deleted = store.prune(tmp_path, keep=1, committed=4)  # a resumed run just committed step 4
     assert sorted(os.path.basename(p) for p in deleted) == ["step_0000002", "step_0000003"]
-    assert [os.path.basename(p) for p in store.complete_steps(tmp_path)] == ["step_0000004", "step_0000006",
-                                                                             "step_0000008"]
+    assert [os.path.basename(p) for p in store.complete_steps(tmp_path)] == [
+        "step_0000004",
+        "step_0000006",
+        "step_0000008",
+    ]
     aside = store.clear_for_write(os.path.join(tmp_path, store.step_name(6)))
     assert aside.startswith(os.path.join(tmp_path, "step_0000006.corrupt.")) and store.is_complete(aside)
     os.makedirs(os.path.join(tmp_path, store.step_name(7)))
@@ -155,8 +164,9 @@ def test_steps_past_ten_million_resume_and_prune_in_step_order(tmp_path):
     names = [os.path.basename(p) for p in store.complete_steps(tmp_path)]
     assert names == ["step_9999998", "step_9999999", "step_10000000"]
     assert first_sound(str(tmp_path)) == os.path.join(tmp_path, "step_10000000")
-    assert store.resume_candidates(tmp_path)[0][:2] == [os.path.join(tmp_path, n) for n in ("step_10000000",
-                                                                                            "step_9999999")]
+    assert store.resume_candidates(tmp_path)[0][:2] == [
+        os.path.join(tmp_path, n) for n in ("step_10000000", "step_9999999")
+    ]
     deleted = store.prune(tmp_path, keep=2, committed=10_000_000)
     assert [os.path.basename(p) for p in deleted] == ["step_9999998"]
 

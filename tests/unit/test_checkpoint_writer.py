@@ -48,6 +48,7 @@ def test_a_missing_rank_means_no_commit_and_the_error_reaches_the_loop(tmp_path)
 def test_a_failed_write_is_raised_and_the_next_save_may_start(tmp_path, monkeypatch):
     def disk_full(obj, path):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(checkpoint_writer, "write_file", disk_full)
     path = str(tmp_path / "step_0000006")
     writer = AsyncWriter(1, 2, commit_timeout_s=30, log=print)

@@ -24,14 +24,29 @@ def data_dir(tmp_path):
     return prepared(tmp_path)
 
 
-def prepared(path, tokenizer: str = "assets/tokenizers/shakespeare-8k", vocab: int = 8192, train: int = 100_000,
-             val: int = 10_000, held: dict | None = None) -> str:
+def prepared(
+    path,
+    tokenizer: str = "assets/tokenizers/shakespeare-8k",
+    vocab: int = 8192,
+    train: int = 100_000,
+    val: int = 10_000,
+    held: dict | None = None,
+) -> str:
     """A prepared data directory as validation sees it: meta.json, and token files of the sizes it records
     (sparse: validation reads their sizes only); held: split -> tokens its file holds instead (None: no file)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"dtype": "uint16", "vocab_size": vocab, "eos_id": 0, "tokenizer": tokenizer, "train_tokens": train,
-                   "val_tokens": val}, f)
+        json.dump(
+            {
+                "dtype": "uint16",
+                "vocab_size": vocab,
+                "eos_id": 0,
+                "tokenizer": tokenizer,
+                "train_tokens": train,
+                "val_tokens": val,
+            },
+            f,
+        )
     for split, tokens in (("train", train), ("val", val)):
         tokens = (held or {}).get(split, max(tokens, 1))
         if tokens is not None:
@@ -46,16 +61,26 @@ BAD = [
     (["train.profile_steps=[3,2]"], 1, "train.profile_steps=[3, 2] must be [first, last] steps with 1 <= first"),
     (["train.profile_steps=[0,2]"], 1, "train.profile_steps=[0, 2] must be"),
     (["train.profile_steps=[4]"], 1, "train.profile_steps=[4] must be"),
-    (["train.profile_steps=[2,3]", "train.profile_ranks=[0,2]"], 2,
-     "train.profile_ranks=[0, 2] must name ranks of the 2 in this run; use e.g. [0] or [0,1]"),
+    (
+        ["train.profile_steps=[2,3]", "train.profile_ranks=[0,2]"],
+        2,
+        "train.profile_ranks=[0, 2] must name ranks of the 2 in this run; use e.g. [0] or [0,1]",
+    ),
     (["train.profile_ranks=[]"], 1, "train.profile_ranks=[] must name ranks"),
     (["zero.stage=2", "zero.offload_param=cpu"], 1, "zero.offload_param=cpu needs zero.stage=3"),
     (["zero.offload_optimizer=cpu"], 1, "zero.offload_optimizer=cpu needs zero.stage >= 1"),
-    (["zero.stage=2", "zero.offload_optimizer=nvme"], 1, "zero.offload_optimizer=nvme needs zero.stage=3 (got 2: "
-     "DeepSpeed's ZeRO-1 and -2 offload the optimizer to CPU memory only)"),
+    (
+        ["zero.stage=2", "zero.offload_optimizer=nvme"],
+        1,
+        "zero.offload_optimizer=nvme needs zero.stage=3 (got 2: "
+        "DeepSpeed's ZeRO-1 and -2 offload the optimizer to CPU memory only)",
+    ),
     (["zero.stage=3", "zero.offload_param=nvme", "zero.nvme_path="], 1, "zero.nvme_path='' is empty"),
-    (["zero.stage=3", "zero.offload_param=nvme", "zero.nvme_path=/proc/version/swap"], 1,
-     "zero.nvme_path=/proc/version/swap cannot be written"),
+    (
+        ["zero.stage=3", "zero.offload_param=nvme", "zero.nvme_path=/proc/version/swap"],
+        1,
+        "zero.nvme_path=/proc/version/swap cannot be written",
+    ),
     (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size=12"),
     (["train.global_batch_size=16", "train.micro_batch_size=8"], 4, "x dp=4"),
     (["parallel.tp=2"], 3, "must divide the world size 3"),
@@ -69,20 +94,35 @@ BAD = [
     (["parallel.pp=4", "parallel.pp_layers=[2,0,0,2]"], 4, "leaves virtual stage 1 without layers"),
     (["parallel.pp=2", "parallel.schedule=zigzag"], 2, "parallel.schedule=zigzag is not a valid choice"),
     (["parallel.pp=2", "zero.stage=3"], 2, "zero.stage=3 does not compose with parallel.pp=2"),
-    (["parallel.pp=4", "train.global_batch_size=8", "train.micro_batch_size=4"], 4,
-     "fewer than parallel.pp=4, which the 1f1b schedule needs (every one but gpipe)"),
-    (["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=8", "train.micro_batch_size=8"], 2,
-     "fewer than parallel.pp=2, which the interleaved schedule needs"),
+    (
+        ["parallel.pp=4", "train.global_batch_size=8", "train.micro_batch_size=4"],
+        4,
+        "fewer than parallel.pp=4, which the 1f1b schedule needs (every one but gpipe)",
+    ),
+    (
+        ["parallel.pp=2", "parallel.vpp=2", "train.global_batch_size=8", "train.micro_batch_size=8"],
+        2,
+        "fewer than parallel.pp=2, which the interleaved schedule needs",
+    ),
     (["parallel.cp=2"], 3, "parallel.cp=2 makes tp*cp*pp=2 (tp=1, cp=2, pp=1), which must divide the world size 3"),
     (["parallel.cp=3"], 3, "parallel.cp=3 needs 2*cp=6 to divide model.seq_len=128"),
-    (["parallel.cp=4", "parallel.tp=2", "parallel.sp=true", "model.seq_len=24"], 8,
-     "parallel.cp=4 needs 2*cp*tp=16 (with parallel.sp) to divide model.seq_len=24"),
+    (
+        ["parallel.cp=4", "parallel.tp=2", "parallel.sp=true", "model.seq_len=24"],
+        8,
+        "parallel.cp=4 needs 2*cp*tp=16 (with parallel.sp) to divide model.seq_len=24",
+    ),
     (["parallel.cp=2", "parallel.cp_mode=zigzag"], 2, "parallel.cp_mode=zigzag is not a valid choice"),
-    (["model=llama-tiny", "parallel.cp=4", "parallel.cp_mode=ulysses"], 4,
-     "parallel.cp=4 with parallel.cp_mode=ulysses must divide the n_kv_heads per TP rank (model.n_kv_heads=2 / "
-     "parallel.tp=1 = 2); use parallel.cp in [1, 2], or parallel.cp_mode=ring"),
-    (["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=4"], 8,
-     "must divide the n_heads per TP rank (model.n_heads=4 / parallel.tp=4 = 1)"),
+    (
+        ["model=llama-tiny", "parallel.cp=4", "parallel.cp_mode=ulysses"],
+        4,
+        "parallel.cp=4 with parallel.cp_mode=ulysses must divide the n_kv_heads per TP rank (model.n_kv_heads=2 / "
+        "parallel.tp=1 = 2); use parallel.cp in [1, 2], or parallel.cp_mode=ring",
+    ),
+    (
+        ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.tp=4"],
+        8,
+        "must divide the n_heads per TP rank (model.n_heads=4 / parallel.tp=4 = 1)",
+    ),
     (["parallel.cp=2", "train.compile=true"], 2, "train.compile=True does not work with parallel.cp=2"),
     (["model.n_heads=3"], 1, "model.n_heads=3 must divide model.d_model=128"),
     (["model.n_kv_heads=3"], 1, "model.n_kv_heads=3 must divide model.n_heads=4"),
@@ -169,8 +209,18 @@ def test_train_py_exits_2_with_one_line_and_no_traceback(tmp_path):
     a crash's traceback is (before: "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")."""
     error_file = tmp_path / "error.json"
     env = dict(os.environ, RANK="0", WORLD_SIZE="4", TORCHELASTIC_ERROR_FILE=str(error_file))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "zero.stage=3", "zero.offload_param=cpu",
-                           "train.global_batch_size=6"], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "zero.stage=3",
+            "zero.offload_param=cpu",
+            "train.global_batch_size=6",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -178,23 +228,33 @@ def test_train_py_exits_2_with_one_line_and_no_traceback(tmp_path):
     assert f"traceback : {lines[0]}\n" in _torchrun_summary(error_file, 2)
 
     crash = tmp_path / "crash.json"
-    proc = subprocess.run([sys.executable, "-c", "from megatron_lite.cli import exit_process; exit_process(lambda: 1 / 0)"],
-                          env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(crash), PYTHONPATH=ROOT), capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from megatron_lite.cli import exit_process; exit_process(lambda: 1 / 0)"],
+        env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(crash), PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and "ZeroDivisionError" in proc.stderr
     summary = _torchrun_summary(crash, 1)
-    assert "traceback : Traceback (most recent call last):" in summary and "ZeroDivisionError: division by zero" in summary
+    assert (
+        "traceback : Traceback (most recent call last):" in summary and "ZeroDivisionError: division by zero" in summary
+    )
 
 
 def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_path):
     """`train.py --check`, what slurm/train.sbatch runs once before srun: 0 and the one-line prediction (plan/) for
     a config that fits WORLD_SIZE, 2 with the one-line error otherwise; no run directory, no process group either
     way."""
+
     def check(*overrides):
         env = dict(os.environ, WORLD_SIZE="2")
         env.pop("RANK", None)  # the batch shell is no rank
-        return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--check", f"run.dir={tmp_path}/run",
-                               *overrides], env=env, capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--check", f"run.dir={tmp_path}/run", *overrides],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
 
     good, bad = check("parallel.tp=2"), check("parallel.tp=4")
     assert good.returncode == 0 and "error" not in good.stderr, good.stderr
@@ -204,7 +264,8 @@ def test_check_validates_for_the_world_size_and_starts_nothing(data_dir, tmp_pat
     small = check("cluster.nodes=1", "cluster.gpus_per_node=1")  # the cluster holds fewer GPUs than the world
     assert small.returncode == 2 and small.stderr.strip() == (
         "config error: cluster.nodes=1 holds 1 GPUs (cluster.gpus_per_node=1), fewer than the 2 ranks of WORLD_SIZE; "
-        "use cluster.nodes=2, or leave it null to derive it"), small.stderr
+        "use cluster.nodes=2, or leave it null to derive it"
+    ), small.stderr
 
 
 def test_settings_that_do_nothing_are_named(data_dir):
@@ -213,9 +274,19 @@ def test_settings_that_do_nothing_are_named(data_dir):
     from megatron_lite.validation import notes
 
     assert notes(load([f"data.path={data_dir}"], world_size=1)) == []
-    cfg = load([f"data.path={data_dir}", "parallel.sp=true", "train.steps=50", "optim.warmup_steps=100",
-                "train.eval_interval=60", "train.eval_per_dataset=true", "train.recompute_every=2",
-                "parallel.schedule=interleaved"], world_size=1)
+    cfg = load(
+        [
+            f"data.path={data_dir}",
+            "parallel.sp=true",
+            "train.steps=50",
+            "optim.warmup_steps=100",
+            "train.eval_interval=60",
+            "train.eval_per_dataset=true",
+            "train.recompute_every=2",
+            "parallel.schedule=interleaved",
+        ],
+        world_size=1,
+    )
     assert notes(cfg) == [
         "parallel.sp=true does nothing at parallel.tp=1 (it splits the sequence over the TP ranks)",
         "parallel.schedule=interleaved does nothing at parallel.pp=1 (it orders a pipeline's micro-batches)",
@@ -223,9 +294,19 @@ def test_settings_that_do_nothing_are_named(data_dir):
         "(optim.lr=0.001)",
         "train.eval_per_dataset=true does nothing with one data.path (val_loss is that dataset's)",
         "train.recompute_every=2 does nothing without train.recompute=full (it is none)",
-        "train.eval_interval=60 > train.steps=50: this run never evaluates"]
-    at_tp2 = load([f"data.path={data_dir}", "parallel.tp=2", "parallel.sp=true", "train.steps=50",
-                   "optim.warmup_steps=50", "train.eval_interval=50"], world_size=2)
+        "train.eval_interval=60 > train.steps=50: this run never evaluates",
+    ]
+    at_tp2 = load(
+        [
+            f"data.path={data_dir}",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "train.steps=50",
+            "optim.warmup_steps=50",
+            "train.eval_interval=50",
+        ],
+        world_size=2,
+    )
     assert notes(at_tp2) == []  # sp splits at tp 2; warmup ends at the last step; it evaluates at step 50
 
 
@@ -255,8 +336,13 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     from dataclasses import asdict
 
     def write(zero_stage: int, **extra) -> None:
-        meta = {"kind": "deepspeed", "step": 4, "config": {"model": asdict(cfg.model)},
-                "layout": {"zero_stage": zero_stage, "dp": 1, "world_size": 1}, **extra}
+        meta = {
+            "kind": "deepspeed",
+            "step": 4,
+            "config": {"model": asdict(cfg.model)},
+            "layout": {"zero_stage": zero_stage, "dp": 1, "world_size": 1},
+            **extra,
+        }
         (step / "meta.json").write_text(json.dumps(meta))
 
     write(0)
@@ -264,9 +350,12 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     args = [f"data.path={data_dir}", f"checkpoint.dir={tmp_path}/ckpt"]
     with pytest.raises(ConfigError, match=r"^model.n_layers=6 differs from the checkpoint"):
         load(args + ["model.n_layers=6"], world_size=1)
-    with pytest.raises(ConfigError, match=r"^model.n_layers=6, model.d_model=64, model.seq_len=64 differ from the "
-                                          r"checkpoint \S+ \(model.n_layers=4 model.d_model=128 model.seq_len=128\); "
-                                          r"use model.n_layers=4 model.d_model=128 model.seq_len=128, or"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.n_layers=6, model.d_model=64, model.seq_len=64 differ from the "
+        r"checkpoint \S+ \(model.n_layers=4 model.d_model=128 model.seq_len=128\); "
+        r"use model.n_layers=4 model.d_model=128 model.seq_len=128, or",
+    ):
         load(args + ["model.n_layers=6", "model.d_model=64", "model.seq_len=64"], world_size=1)
     # Every stage converts to and from every other, at any DP, TP or pipeline layout (our loaders,
     # checkpoint/loaders.py). A tp=1 ZeRO 1-2 checkpoint written before checkpoints recorded their TP split
@@ -284,8 +373,12 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     assert load(args + ["model=llama-tiny", "model.seq_len=64"], world_size=1).model.seq_len == 64
     write(3)  # ZeRO-3 resumes at another tp, and ZeRO-0 resumes it (our loaders, checkpoint/loaders.py)
     assert load(args + ["model=llama-tiny", "zero.stage=3", "parallel.tp=2"], world_size=2).parallel.tp == 2
-    assert load(args + ["model=llama-tiny", "zero.stage=0", "parallel.pp=2", "parallel.schedule=gpipe"],
-                world_size=2).parallel.pp == 2
+    assert (
+        load(
+            args + ["model=llama-tiny", "zero.stage=0", "parallel.pp=2", "parallel.schedule=gpipe"], world_size=2
+        ).parallel.pp
+        == 2
+    )
     for stage in (1, 2):  # refused until 2026-11-29 (DeepSpeed's ZeRO 1-2 loader looked for ZeRO 1-2's files)
         assert load(args + ["model=llama-tiny", f"zero.stage={stage}"], world_size=1).zero.stage == stage
     write(2)
@@ -293,32 +386,54 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     # An NVMe-offloaded optimizer resumes through the universal form from the swap files its ranks recorded
     # (checkpoint/offload.py); one written before they recorded them cannot
     write(3, config={"model": asdict(cfg.model), "zero": {"offload_optimizer": "nvme"}})
-    with pytest.raises(ConfigError, match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme by "
-                                          r"an older version, which did not record where its swapped optimizer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpoint.resume: \S+ was written with zero.offload_optimizer=nvme by "
+        r"an older version, which did not record where its swapped optimizer",
+    ):
         load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1)
     from megatron_lite.checkpoint.weights import load_model_state  # nor export it (DeepSpeed's message was unclear)
 
     with pytest.raises(ValueError, match=r"zero.offload_optimizer=nvme by a version that did not record where its "):
         load_model_state(str(step))
-    torch.save({"optim_states": "zero_pp_rank_0_mp_rank_00_optim_states.pt", "folder": "offloaded_tensors/rank00",
-                "swapped": {}}, tmp_path / "ckpt" / "step_0000004" / "offload_rank00000.pt")
+    torch.save(
+        {
+            "optim_states": "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "folder": "offloaded_tensors/rank00",
+            "swapped": {},
+        },
+        tmp_path / "ckpt" / "step_0000004" / "offload_rank00000.pt",
+    )
     assert load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1).zero.stage == 3
 
 
 BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides, the message's start)
-    ([{}, {"tokenizer": "assets/tokenizers/gpt2", "vocab": 50257}], [],
-     r"^data.path\[1\]=\S+/d1 was prepared with tokenizer assets/tokenizers/gpt2 \(50257 tokens\), data.path\[0\]="),
+    (
+        [{}, {"tokenizer": "assets/tokenizers/gpt2", "vocab": 50257}],
+        [],
+        r"^data.path\[1\]=\S+/d1 was prepared with tokenizer assets/tokenizers/gpt2 \(50257 tokens\), data.path\[0\]=",
+    ),
     ([{}, {}], ["data.weights=[1.0]"], r"^data.weights=\[1.0\] has 1 entries for 2 data.path directories"),
     ([{}, {}], ["data.weights=[1.0,0.0]"], r"^data.weights=\[1.0, 0.0\] must all be positive"),
     ([{}, {}], ["data.weights=[1.0,-2.0]"], r"^data.weights=\[1.0, -2.0\] must all be positive"),
     ([{}, {}], ["data.weights=[1.0,0.00001]"], r"^data.weights=\[1.0, 1e-05\] gives a dataset 1e-05 of the blend"),
-    ([{}, {"train": 100}], [], r"^data.path\[1\]=\S+/d1 has 100 train tokens, too few for one sample of "
-                               r"model.seq_len \+ 1 = 129; use more data"),
+    (
+        [{}, {"train": 100}],
+        [],
+        r"^data.path\[1\]=\S+/d1 has 100 train tokens, too few for one sample of "
+        r"model.seq_len \+ 1 = 129; use more data",
+    ),
     ([{"val": 0}], [], r"^data.path=\S+/d0 has 0 val tokens, too few .*train.eval_interval=0"),
-    ([{"held": {"val": None}}], ["train.eval_interval=0"],  # val.bin is mapped even when nothing evaluates
-     r"^data.path=\S+/d0 has no val.bin where its meta.json records 10000; prepare it again"),
-    ([{}, {"held": {"train": 99_999}}], [],
-     r"^data.path\[1\]=\S+/d1 has 99999 tokens in train.bin where its meta.json records 100000; prepare it again"),
+    (
+        [{"held": {"val": None}}],
+        ["train.eval_interval=0"],  # val.bin is mapped even when nothing evaluates
+        r"^data.path=\S+/d0 has no val.bin where its meta.json records 10000; prepare it again",
+    ),
+    (
+        [{}, {"held": {"train": 99_999}}],
+        [],
+        r"^data.path\[1\]=\S+/d1 has 99999 tokens in train.bin where its meta.json records 100000; prepare it again",
+    ),
 ]
 
 

@@ -10,14 +10,27 @@ import torch
 from transformers import AutoTokenizer
 
 from megatron_lite.data.dataset import TokenData, WindowDataset
-from megatron_lite.data.sampler import (BLEND_BLOCK, Blend, Cycled, MicroBatches, Shuffled, block_counts,
-                                        global_sample_index, open_streams, val_batches)
+from megatron_lite.data.sampler import (
+    BLEND_BLOCK,
+    Blend,
+    Cycled,
+    MicroBatches,
+    Shuffled,
+    block_counts,
+    global_sample_index,
+    open_streams,
+    val_batches,
+)
 from tools import prepare_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOK8K = os.path.join(ROOT, "assets", "tokenizers", "shakespeare-8k")
-DOCS = ["To be, or not to be: that is the question.", "Now is the winter of our discontent",
-        "Friends, Romans, countrymen, lend me your ears;", "All the world's a stage"]
+DOCS = [
+    "To be, or not to be: that is the question.",
+    "Now is the winter of our discontent",
+    "Friends, Romans, countrymen, lend me your ears;",
+    "All the world's a stage",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +79,8 @@ def split_texts(out, split: str, tok) -> list[str]:
     assert offsets.dtype == np.int64 and (len(offsets) == 0 or offsets[0] == 0)
     texts = []
     for start, end in zip(offsets, [*offsets[1:], len(tokens)]):
-        assert tokens[end - 1] == tok.eos_token_id and tok.eos_token_id not in tokens[start:end - 1]
-        texts.append(tok.decode(tokens[start:end - 1].tolist()))
+        assert tokens[end - 1] == tok.eos_token_id and tok.eos_token_id not in tokens[start : end - 1]
+        texts.append(tok.decode(tokens[start : end - 1].tolist()))
     return texts
 
 
@@ -75,15 +88,39 @@ def split_texts(out, split: str, tok) -> list[str]:
 def test_prepare_data_round_trips_documents(fmt, tmp_path, tok8k):
     extra = write_docs(tmp_path / "src", fmt)
     out = tmp_path / "out"
-    meta = prepare_data.main(["--input", str(tmp_path / "src"), "--tokenizer", TOK8K, "--out", str(out),
-                              "--val-fraction", "0.25", "--seed", "3", *extra])
+    meta = prepare_data.main(
+        [
+            "--input",
+            str(tmp_path / "src"),
+            "--tokenizer",
+            TOK8K,
+            "--out",
+            str(out),
+            "--val-fraction",
+            "0.25",
+            "--seed",
+            "3",
+            *extra,
+        ]
+    )
     data = TokenData(str(out))
     lengths = [len(tok8k(d, add_special_tokens=False)["input_ids"]) + 1 for d in DOCS]  # + eos
     val_doc = np.random.default_rng(3).permutation(len(DOCS))[-1]  # the last document after the seeded shuffle
-    assert meta == data.meta == {
-        "dtype": "uint16", "vocab_size": 8192, "eos_id": tok8k.eos_token_id, "tokenizer": "assets/tokenizers/shakespeare-8k",
-        "train_tokens": sum(lengths) - lengths[val_doc], "val_tokens": lengths[val_doc],
-        "n_docs_train": 3, "n_docs_val": 1, "sources": meta["sources"]}
+    assert (
+        meta
+        == data.meta
+        == {
+            "dtype": "uint16",
+            "vocab_size": 8192,
+            "eos_id": tok8k.eos_token_id,
+            "tokenizer": "assets/tokenizers/shakespeare-8k",
+            "train_tokens": sum(lengths) - lengths[val_doc],
+            "val_tokens": lengths[val_doc],
+            "n_docs_train": 3,
+            "n_docs_val": 1,
+            "sources": meta["sources"],
+        }
+    )
     assert len(meta["sources"]) == (4 if fmt == "txt" else 1)
     assert data.train.dtype == np.uint16 and not data.train.flags.writeable
     assert split_texts(out, "train", tok8k) == [d for i, d in enumerate(DOCS) if i != val_doc]
@@ -183,8 +220,13 @@ def test_val_batches_are_the_same_samples_at_every_dp_size():
         accum = 8 // (micro * dp)
         assert all(len(p) == 3 * accum and all(len(b) == micro for b in p) for p in parts)
         # micro-batch j of iteration k on rank r: samples k*8 + (j*dp + r)*micro ...
-        merged = [s for k in range(3) for j in range(accum) for r in range(dp)
-                  for s in parts[r][k * accum + j].flatten().tolist()]
+        merged = [
+            s
+            for k in range(3)
+            for j in range(accum)
+            for r in range(dp)
+            for s in parts[r][k * accum + j].flatten().tolist()
+        ]
         assert merged == whole, (micro, dp)
     assert torch.cat(val_batches(Cycled(Identity(10)), 4, 4, 0, 1, 3)).flatten().tolist() == [*range(10), 0, 1]  # wraps
 
@@ -227,11 +269,11 @@ def test_a_blend_holds_every_share_at_every_prefix_and_reads_each_dataset_in_its
     for i, t in enumerate(tags):
         seen[t // 1000] += 1
         assert np.abs(seen - np.asarray(weights) * (i + 1)).max() <= 1.0, (i, seen)  # within a sample at every prefix
-    for k, size in enumerate(sizes):  # dataset k's samples are its own stream, in order: none skipped or repeated
+    for k, _size in enumerate(sizes):  # dataset k's samples are its own stream, in order: none skipped or repeated
         mine = [t % 1000 for t in tags if t // 1000 == k]
         assert mine == [streams[k](j).item() % 1000 for j in range(len(mine))]
     first_epochs = [t % 1000 for t in tags if t // 1000 == 0][:35]  # the small dataset: 5 epochs, each a permutation
-    assert all(sorted(first_epochs[e * 7:(e + 1) * 7]) == list(range(7)) for e in range(5))
+    assert all(sorted(first_epochs[e * 7 : (e + 1) * 7]) == list(range(7)) for e in range(5))
     assert first_epochs[:7] != first_epochs[7:14]
 
 
@@ -261,8 +303,18 @@ def test_open_streams_blends_prepared_directories(tmp_path, tok8k):
     dirs = []
     for k, docs in enumerate((DOCS, [d.upper() for d in DOCS] * 3)):
         write_docs(tmp_path / f"src{k}", "txt", docs)
-        prepare_data.main(["--input", str(tmp_path / f"src{k}"), "--tokenizer", TOK8K, "--out", str(tmp_path / f"out{k}"),
-                           "--val-fraction", "0.25"])
+        prepare_data.main(
+            [
+                "--input",
+                str(tmp_path / f"src{k}"),
+                "--tokenizer",
+                TOK8K,
+                "--out",
+                str(tmp_path / f"out{k}"),
+                "--val-fraction",
+                "0.25",
+            ]
+        )
         dirs.append(str(tmp_path / f"out{k}"))
     seq = 4
     windows = [WindowDataset(TokenData(d).train, seq) for d in dirs]
@@ -279,20 +331,27 @@ def test_open_streams_blends_prepared_directories(tmp_path, tok8k):
     assert open_streams(dirs, [1, 1], seq, seed=3, validation=False).val is None
     assert streams.val_each is None and open_streams(dirs[0], None, seq, 3, validation=True, each=True).val_each is None
     each = open_streams(dirs, [1, 1], seq, seed=3, validation=True, each=True).val_each  # train.eval_per_dataset
-    assert list(each) == dirs and all(torch.equal(each[d](i), vals[k][i % len(vals[k])])
-                                      for k, d in enumerate(dirs) for i in range(2 * len(vals[k]) + 1))
+    assert list(each) == dirs and all(
+        torch.equal(each[d](i), vals[k][i % len(vals[k])])
+        for k, d in enumerate(dirs)
+        for i in range(2 * len(vals[k]) + 1)
+    )
     one = open_streams(dirs[0], None, seq, seed=3, validation=False).train
-    assert [one(i).tolist() for i in range(9)] == [windows[0][global_sample_index(3, len(windows[0]), i)].tolist()
-                                                   for i in range(9)]
+    assert [one(i).tolist() for i in range(9)] == [
+        windows[0][global_sample_index(3, len(windows[0]), i)].tolist() for i in range(9)
+    ]
 
 
 def test_prepare_data_skips_empty_files_and_textless_records_and_names_bad_input(tmp_path, tok8k):
     src = tmp_path / "src"
     src.mkdir()
     (src / "empty.jsonl").write_text("")
-    (src / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
-                                            [{"text": DOCS[0]}, {"text": None}, {"title": "no text"}, {"text": ""},
-                                             {"text": DOCS[1]}]))
+    (src / "docs.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [{"text": DOCS[0]}, {"text": None}, {"title": "no text"}, {"text": ""}, {"text": DOCS[1]}]
+        )
+    )
     out = tmp_path / "out"
     meta = prepare_data.main(["--input", str(src), "--tokenizer", TOK8K, "--out", str(out), "--val-fraction", "0.5"])
     assert meta["n_docs_train"] + meta["n_docs_val"] == 2  # the two records with text
@@ -300,13 +359,14 @@ def test_prepare_data_skips_empty_files_and_textless_records_and_names_bad_input
     assert meta["sources"] == [str(src / "docs.jsonl")]  # not the empty file
     assert meta["tokenizer"] == "assets/tokenizers/shakespeare-8k"  # inside the repo: relative to its root
     for args, message in (
-            (["--input", str(src / "empty.jsonl")], r"every input file is empty"),
-            (["--input", str(src), "--tokenizer", str(tmp_path / "nope")], r"--tokenizer \S+/nope is not a directory"),
-            (["--input", str(src), "--tokenizer", str(src)], r"--tokenizer \S+/src could not be loaded"),
+        (["--input", str(src / "empty.jsonl")], r"every input file is empty"),
+        (["--input", str(src), "--tokenizer", str(tmp_path / "nope")], r"--tokenizer \S+/nope is not a directory"),
+        (["--input", str(src), "--tokenizer", str(src)], r"--tokenizer \S+/src could not be loaded"),
     ):
         with pytest.raises(SystemExit, match=f"^prepare_data: {message}"):
-            prepare_data.main([*args, *(["--tokenizer", TOK8K] if "--tokenizer" not in args else []),
-                               "--out", str(tmp_path / "out2")])
+            prepare_data.main(
+                [*args, *(["--tokenizer", TOK8K] if "--tokenizer" not in args else []), "--out", str(tmp_path / "out2")]
+            )
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match=r"^prepare_data: \S+/bad.jsonl could not be read as json \(.*\); check"):
         prepare_data.main(["--input", str(tmp_path / "bad.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o3")])
@@ -321,17 +381,34 @@ def test_prepare_data_reads_what_it_should_and_names_what_it_cannot(tmp_path, to
     write_docs(src, "txt", DOCS[:2])
     (src / "more.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS[2:]))
     for _ in range(2):
-        meta = prepare_data.main(["--input", str(src), "--text-key", "body", "--tokenizer", TOK8K,
-                                  "--out", str(src / "prepared"), "--val-fraction", "0.5"])
+        meta = prepare_data.main(
+            [
+                "--input",
+                str(src),
+                "--text-key",
+                "body",
+                "--tokenizer",
+                TOK8K,
+                "--out",
+                str(src / "prepared"),
+                "--val-fraction",
+                "0.5",
+            ]
+        )
         texts = split_texts(src / "prepared", "train", tok8k) + split_texts(src / "prepared", "val", tok8k)
         assert sorted(texts) == sorted(DOCS) and len(meta["sources"]) == 3, meta["sources"]
     (src / "latin1.txt").write_bytes("café".encode("latin-1"))
-    with pytest.raises(SystemExit, match=r"^prepare_data: \S+/src/latin1.txt could not be read as text "
-                                         r"\(UnicodeDecodeError: 'utf-8' codec can't decode .*\(text is read as UTF-8\)$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^prepare_data: \S+/src/latin1.txt could not be read as text "
+        r"\(UnicodeDecodeError: 'utf-8' codec can't decode .*\(text is read as UTF-8\)$",
+    ):
         prepare_data.main(["--input", str(src), "--tokenizer", TOK8K, "--out", str(tmp_path / "o1")])
     (tmp_path / "ints.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
     with pytest.raises(SystemExit, match=r"^prepare_data: --text-key text of \S+/ints.jsonl holds Value\('int64'\)"):
-        prepare_data.main(["--input", str(tmp_path / "ints.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o2")])
+        prepare_data.main(
+            ["--input", str(tmp_path / "ints.jsonl"), "--tokenizer", TOK8K, "--out", str(tmp_path / "o2")]
+        )
     saved = tmp_path / "saved"
     saved.mkdir()
     for name in ("state.json", "dataset_info.json", "data-00000-of-00001.arrow"):
@@ -350,8 +427,9 @@ def test_train_tokenizer_on_your_documents_then_prepare_with_it(tmp_path):
     assert len(tok) == 300 and tok.eos_token == "<|endoftext|>"
     assert all(tok.decode(tok(d)["input_ids"]) == d for d in DOCS)
     assert len(tok(DOCS[0])["input_ids"]) < len(DOCS[0].encode())  # it learned merges from the documents
-    meta = prepare_data.main(["--input", str(tmp_path / "src"), *extra, "--tokenizer", str(out),
-                              "--out", str(tmp_path / "data")])
+    meta = prepare_data.main(
+        ["--input", str(tmp_path / "src"), *extra, "--tokenizer", str(out), "--out", str(tmp_path / "data")]
+    )
     assert meta["vocab_size"] == 300 and meta["eos_id"] == tok.eos_token_id
     with pytest.raises(SystemExit, match="--vocab-size 100 is below the 256 bytes"):
         train_tokenizer.main(["--input", str(tmp_path / "src"), "--out", str(tmp_path / "t2"), "--vocab-size", "100"])

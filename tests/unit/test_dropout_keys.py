@@ -57,11 +57,13 @@ def test_any_part_of_the_key_changes_the_mask(changed):
         key = (seed, step, microbatch, layer, "attn_out")
     else:
         tp_rank = 0  # a split activation's mask differs from the replicated one, and between ranks
-        assert not torch.equal(keep_mask(KEY, 0, SHAPE, 0.5, torch.device("cpu")),
-                               keep_mask(KEY, 1, SHAPE, 0.5, torch.device("cpu")))
+        assert not torch.equal(
+            keep_mask(KEY, 0, SHAPE, 0.5, torch.device("cpu")), keep_mask(KEY, 1, SHAPE, 0.5, torch.device("cpu"))
+        )
     assert mask_seed(key, tp_rank) != mask_seed(KEY)
-    assert not torch.equal(keep_mask(key, tp_rank, SHAPE, 0.5, torch.device("cpu")),
-                           keep_mask(KEY, None, SHAPE, 0.5, torch.device("cpu")))
+    assert not torch.equal(
+        keep_mask(key, tp_rank, SHAPE, 0.5, torch.device("cpu")), keep_mask(KEY, None, SHAPE, 0.5, torch.device("cpu"))
+    )
 
 
 def test_attention_dropout_is_keyed_and_leaves_the_default_stream():

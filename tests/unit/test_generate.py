@@ -31,8 +31,8 @@ def test_greedy_generation_equals_our_models_argmax_loop(tmp_path, preset):
     ids = prompt
     with torch.no_grad():
         for _ in range(24):
-            ids = torch.cat([ids, ours(ids)[:, -1, :cfg.vocab_size].argmax(-1, keepdim=True)], dim=1)
-    assert new.shape == (1, 24) and torch.equal(new, ids[:, prompt.shape[1]:])
+            ids = torch.cat([ids, ours(ids)[:, -1, : cfg.vocab_size].argmax(-1, keepdim=True)], dim=1)
+    assert new.shape == (1, 24) and torch.equal(new, ids[:, prompt.shape[1] :])
     assert len(set(new[0].tolist())) > 3  # not one token repeated: the weights are not a degenerate copy
 
 
@@ -54,7 +54,9 @@ def test_bad_input_is_one_line(tmp_path):
         main([path])  # an import-like weights-only checkpoint records no data
     with pytest.raises(SystemExit, match=r"--temperature > 0"):
         main([path, "--temperature", "0"])
-    with pytest.raises(SystemExit, match=r"^generate: --greedy gives one continuation \(the most likely\), not --num 2"):
+    with pytest.raises(
+        SystemExit, match=r"^generate: --greedy gives one continuation \(the most likely\), not --num 2"
+    ):
         main([path, "--greedy", "--num", "2", "--tokenizer", TOKENIZER])
     # Found from outside (2026-11-29): transformers' traceback, a FileNotFoundError, 82 s of hub retries
     with pytest.raises(SystemExit, match=r"--top-k >= 0"):
@@ -82,13 +84,18 @@ def test_our_sampling_loop_chooses_as_transformers_generate_does(tmp_path):
 
     ours, path = checkpoint(tmp_path, "tiny")
     model, tokenizer, cfg = load(path, TOKENIZER)
-    for greedy, temperature, top_k, top_p, num in ((False, 0.8, 20, 0.9, 2), (False, 1.0, 0, 1.0, 1),
-                                                   (True, 1.0, 50, 1.0, 1)):
-        prompt, theirs = generate(model, tokenizer, cfg, "ROMEO: What light", 16, greedy, temperature, top_k, top_p,
-                                  num, seed=3)
+    for greedy, temperature, top_k, top_p, num in (
+        (False, 0.8, 20, 0.9, 2),
+        (False, 1.0, 0, 1.0, 1),
+        (True, 1.0, 50, 1.0, 1),
+    ):
+        prompt, theirs = generate(
+            model, tokenizer, cfg, "ROMEO: What light", 16, greedy, temperature, top_k, top_p, num, seed=3
+        )
         torch.manual_seed(3)
-        mine = _continue_with_ours(ours, cfg.vocab_size, prompt, 16, greedy, temperature, top_k, top_p, num,
-                                   tokenizer.eos_token_id)
+        mine = _continue_with_ours(
+            ours, cfg.vocab_size, prompt, 16, greedy, temperature, top_k, top_p, num, tokenizer.eos_token_id
+        )
         assert torch.equal(mine, theirs), (greedy, temperature, top_k, top_p, mine, theirs)
 
 
@@ -109,5 +116,5 @@ def test_a_model_no_transformers_class_holds_is_sampled_with_ours(tmp_path, caps
     ids = prompt
     with torch.no_grad():
         for _ in range(8):
-            ids = torch.cat([ids, ours(ids)[:, -1, :cfg.vocab_size].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(new, ids[:, prompt.shape[1]:])
+            ids = torch.cat([ids, ours(ids)[:, -1, : cfg.vocab_size].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(new, ids[:, prompt.shape[1] :])

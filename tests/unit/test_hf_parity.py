@@ -1,6 +1,5 @@
 """HF parity: random local HF GPT-2 / Llama models import with identical logits and loss, and export back."""
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -13,16 +12,39 @@ VOCAB = 1000  # not a multiple of 64: exercises the padded embedding rows
 
 
 def gpt2(tied: bool = True, **kw):
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      tie_word_embeddings=tied, **kw))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_head=4,
+            n_embd=64,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=tied,
+            **kw,
+        )
+    )
 
 
 def llama(tied: bool, bias: bool = False, **kw):
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=176, vocab_size=VOCAB,
-                                        max_position_embeddings=64, tie_word_embeddings=tied, rope_theta=500000.0,
-                                        attention_bias=bias, mlp_bias=bias, **kw))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=176,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+            rope_theta=500000.0,
+            attention_bias=bias,
+            mlp_bias=bias,
+            **kw,
+        )
+    )
 
 
 MODELS = {
@@ -87,8 +109,13 @@ def test_buffers_are_skipped_and_stray_weights_refused():
     with pytest.raises(ConversionError, match="q_norm.*no place in our model"):
         hf_to_ours(sd, hf.config)
     g = _randomize(gpt2())
-    sd = dict(g.state_dict(), **{"transformer.h.0.attn.bias": torch.ones(1, 1, 64, 64),
-                                 "transformer.h.0.attn.masked_bias": torch.tensor(-1e4)})
+    sd = dict(
+        g.state_dict(),
+        **{
+            "transformer.h.0.attn.bias": torch.ones(1, 1, 64, 64),
+            "transformer.h.0.attn.masked_bias": torch.tensor(-1e4),
+        },
+    )
     hf_to_ours(sd, g.config)
 
 
@@ -99,8 +126,10 @@ def test_cli_import_export_through_a_checkpoint(tmp_path, name, capsys):
     main(["import", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")])
     hint = capsys.readouterr().out.split("train from it with: python train.py ", 1)[1].split()
     assert hint[0] == f"checkpoint.dir={tmp_path / 'ckpt'}" and f"model.vocab_size={VOCAB}" in hint
-    from megatron_lite.cli import compose_config  # the printed overrides give the imported shape
     from omegaconf import OmegaConf
+
+    from megatron_lite.cli import compose_config  # the printed overrides give the imported shape
+
     assert OmegaConf.to_object(compose_config(hint[1:])).model == hf_config_to_model_config(hf.config)
     cfg, sd = load_model_state(str(tmp_path / "ckpt"))  # via `latest`
     assert (tmp_path / "ckpt" / "step_0000000").is_dir() and cfg == hf_config_to_model_config(hf.config)
@@ -129,8 +158,11 @@ def test_import_refuses_a_directory_that_holds_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
     (ckpt / "step_0000020").mkdir(parents=True)
     (ckpt / "latest").write_text("step_0000020")
-    with pytest.raises(SystemExit, match=r"^convert_hf: checkpoint_dir=\S+ already holds checkpoints \(latest, "
-                                         r"step_0000020\); import into a new or empty directory"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^convert_hf: checkpoint_dir=\S+ already holds checkpoints \(latest, "
+        r"step_0000020\); import into a new or empty directory",
+    ):
         main(["import", str(tmp_path / "hf_in"), str(ckpt)])
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_0000020"]
     assert (ckpt / "latest").read_text() == "step_0000020"
@@ -162,22 +194,39 @@ def test_a_trained_checkpoints_export_takes_its_datas_tokenizer(tmp_path):
     (tmp_path / "data" / "meta.json").write_text(f'{{"eos_id": 0, "tokenizer": "{tok}"}}')
     trained = {"kind": "deepspeed", "config": {"data": {"path": str(tmp_path / "data"), "tokenizer": None}}}
     assert tokenizer_dir(trained).endswith(tok)  # what the data records (data.tokenizer=null)
-    named = {"kind": "deepspeed", "config": {"data": {"path": str(tmp_path / "data"), "tokenizer": "assets/tokenizers/gpt2"}}}
+    named = {
+        "kind": "deepspeed",
+        "config": {"data": {"path": str(tmp_path / "data"), "tokenizer": "assets/tokenizers/gpt2"}},
+    }
     assert tokenizer_dir(named).endswith("assets/tokenizers/gpt2")
     (tmp_path / "data" / "meta.json").write_text('{"eos_id": 0, "tokenizer": "/moved/away"}')
     assert tokenizer_dir(trained) is None and tokenizer_dir({"kind": "weights"}) is None
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"mlp_bias": True}, "attention_bias/mlp_bias=False/True"),
-    ({"attention_bias": True}, "attention_bias/mlp_bias=True/False"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type=linear"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 64, "rope_theta": 5e5}}, "rope_type=llama3"),
-    ({"hidden_act": "gelu"}, "hidden_act=gelu"),
-    ({"head_dim": 32}, "head_dim=32"),
-    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),  # ours would also drop on the residual branches
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"mlp_bias": True}, "attention_bias/mlp_bias=False/True"),
+        ({"attention_bias": True}, "attention_bias/mlp_bias=True/False"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type=linear"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 5e5,
+                }
+            },
+            "rope_type=llama3",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act=gelu"),
+        ({"head_dim": 32}, "head_dim=32"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),  # ours would also drop on the residual branches
+    ],
+)
 def test_unsupported_llamas_are_refused_in_one_line(kw, match):
     cfg = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100, **kw)
     with pytest.raises(ConversionError, match=match) as err:

@@ -2,12 +2,24 @@
 
 import torch
 
-from megatron_lite.kernels import OPS, TRITON_FASTER_ON_CUDA, describe, resolve_backend
 from megatron_lite.config import ModelConfig
+from megatron_lite.kernels import OPS, TRITON_FASTER_ON_CUDA, describe, resolve_backend
 from megatron_lite.model.gpt import GPT
 
-LLAMA = dict(n_layers=2, n_heads=4, n_kv_heads=2, d_model=64, ffn_hidden=96, vocab_size=500, seq_len=32,
-             norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False)
+LLAMA = dict(
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    d_model=64,
+    ffn_hidden=96,
+    vocab_size=500,
+    seq_len=32,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 def test_auto_is_torch_on_cpu_and_triton_on_cuda_only_where_measured_faster():

@@ -28,6 +28,7 @@ class _NoLaunch:
 
 def _inputs(op: str) -> tuple:
     """Small CPU inputs in bf16 (as in training) for op, the ones that need grads requiring them."""
+
     def leaf(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, dtype=dtype).requires_grad_()
 

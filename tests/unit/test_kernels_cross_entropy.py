@@ -8,9 +8,15 @@ import os
 import pytest
 import torch
 
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                        reason="Triton on CPU needs TRITON_INTERPRET=1")),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=8e-3, rtol=2e-2)}
 
 

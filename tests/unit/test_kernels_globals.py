@@ -33,7 +33,12 @@ def test_there_are_kernels_to_check():
 @pytest.mark.parametrize("name,kernel", list(jit_kernels()), ids=lambda v: v if isinstance(v, str) else "")
 def test_kernel_reads_only_constexpr_globals(name, kernel):
     fn = kernel.fn
-    bad = [g for g in fn.__code__.co_names
-           if g in fn.__globals__ and not isinstance(fn.__globals__[g], ALLOWED) and not callable(fn.__globals__[g])]
-    assert not bad, (f"{name} reads module globals {bad} that are not tl.constexpr: Triton's compiler refuses them "
-                     "on a GPU (wrap each as tl.constexpr(value))")
+    bad = [
+        g
+        for g in fn.__code__.co_names
+        if g in fn.__globals__ and not isinstance(fn.__globals__[g], ALLOWED) and not callable(fn.__globals__[g])
+    ]
+    assert not bad, (
+        f"{name} reads module globals {bad} that are not tl.constexpr: Triton's compiler refuses them "
+        "on a GPU (wrap each as tl.constexpr(value))"
+    )

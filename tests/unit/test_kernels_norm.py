@@ -22,9 +22,15 @@ import torch
 
 from megatron_lite.kernels import layernorm, rmsnorm
 
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                        reason="Triton on CPU needs TRITON_INTERPRET=1")),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (4, 7, 33): 3 leading dims, odd width; (5, 777): wide odd rows, fewer rows than a tile; (130, 64): 130 rows
 # is not a multiple of the 16-row tile; (1, 1, 1024): a single row.
@@ -42,8 +48,11 @@ def _inputs(shape, dtype, device, with_bias=True, weight_dtype=None, seed=0):
     weight = 1 + 0.3 * torch.randn(n, generator=gen)
     bias = 0.3 * torch.randn(n, generator=gen) if with_bias else None
     weight_dtype = weight_dtype or dtype
-    return (x.to(device=device, dtype=dtype), weight.to(device=device, dtype=weight_dtype),
-            None if bias is None else bias.to(device=device, dtype=weight_dtype))
+    return (
+        x.to(device=device, dtype=dtype),
+        weight.to(device=device, dtype=weight_dtype),
+        None if bias is None else bias.to(device=device, dtype=weight_dtype),
+    )
 
 
 def _leaf(t, grad=True):
@@ -74,8 +83,13 @@ def _check(triton_fn, reference_fn, inputs, function_name, dtype, seed=0):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_rms_norm_matches_reference(device, dtype, shape):
     x, weight, _ = _inputs(shape, dtype, device, with_bias=False)
-    _check(lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS), lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
-           [x, weight], "_RMSNorm", dtype)
+    _check(
+        lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS),
+        lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
+        [x, weight],
+        "_RMSNorm",
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,8 +98,13 @@ def test_rms_norm_matches_reference(device, dtype, shape):
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_layer_norm_matches_reference(device, dtype, shape, with_bias):
     x, weight, bias = _inputs(shape, dtype, device, with_bias)
-    _check(lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
-           lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS), [x, weight, bias], "_LayerNorm", dtype)
+    _check(
+        lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
+        lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS),
+        [x, weight, bias],
+        "_LayerNorm",
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,14 +112,23 @@ def test_bf16_input_with_fp32_weight(device):
     """The reference's dtype rules: RMSNorm's `weight * y.to(x.dtype)` promotes to fp32, F.layer_norm keeps
     x's bf16; gradients come back in each input's own dtype."""
     x, weight, bias = _inputs((3, 50), torch.bfloat16, device, weight_dtype=torch.float32)
-    _check(lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS), lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
-           [x, weight], "_RMSNorm", torch.bfloat16)
+    _check(
+        lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS),
+        lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
+        [x, weight],
+        "_RMSNorm",
+        torch.bfloat16,
+    )
     assert rmsnorm.rms_norm_triton(x, weight, EPS).dtype == torch.float32
     if device == "cuda":  # torch's CUDA layer_norm refuses a bf16 input with an fp32 weight: no reference
         return
-    _check(lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
-           lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS), [x, weight, bias], "_LayerNorm",
-           torch.bfloat16)
+    _check(
+        lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
+        lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS),
+        [x, weight, bias],
+        "_LayerNorm",
+        torch.bfloat16,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,8 +139,10 @@ def test_frozen_weight_and_strided_input(device):
     x_t = x.t()  # (6, 33), last-dim stride 6
     assert x_t.stride(-1) != 1
     weight_t, bias_t = (torch.randn(33, generator=torch.Generator().manual_seed(1)).to(device) for _ in range(2))
-    for fn, ref, extra in [(rmsnorm.rms_norm_triton, rmsnorm.rms_norm_reference, []),
-                           (layernorm.layer_norm_triton, layernorm.layer_norm_reference, [bias_t])]:
+    for fn, ref, extra in [
+        (rmsnorm.rms_norm_triton, rmsnorm.rms_norm_reference, []),
+        (layernorm.layer_norm_triton, layernorm.layer_norm_reference, [bias_t]),
+    ]:
         ours, theirs = _leaf(x_t), _leaf(x_t)
         assert ours.stride(-1) != 1
         out, expected = fn(ours, weight_t, *extra, EPS), ref(theirs, weight_t, *extra, EPS)
@@ -130,8 +160,17 @@ def test_backward_programs_loop_over_row_tiles(device, monkeypatch):
     monkeypatch.setattr(rmsnorm, "MAX_BWD_PROGRAMS", 4)
     monkeypatch.setattr(layernorm, "MAX_BWD_PROGRAMS", 4)
     x, weight, bias = _inputs((130, 64), torch.float32, device)
-    _check(lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS), lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
-           [x, weight], "_RMSNorm", torch.float32)
-    _check(lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
-           lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS), [x, weight, bias], "_LayerNorm",
-           torch.float32)
+    _check(
+        lambda a, w: rmsnorm.rms_norm_triton(a, w, EPS),
+        lambda a, w: rmsnorm.rms_norm_reference(a, w, EPS),
+        [x, weight],
+        "_RMSNorm",
+        torch.float32,
+    )
+    _check(
+        lambda a, w, b: layernorm.layer_norm_triton(a, w, b, EPS),
+        lambda a, w, b: layernorm.layer_norm_reference(a, w, b, EPS),
+        [x, weight, bias],
+        "_LayerNorm",
+        torch.float32,
+    )

@@ -24,9 +24,15 @@ from megatron_lite.model.gpt import rope_cos_sin
 # arguments; the sigmoid is then exactly 0, which is the right answer (checked in the extremes test).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                                        reason="Triton on CPU needs TRITON_INTERPRET=1")),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # fp32: both sides do the same fp32 math up to operation order; bf16: up to two bf16 ulps apart (see above).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-6), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -34,8 +40,9 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-6), torch.bfloat16: dict(atol=2e-2
 
 def _leaves(*tensors):
     """Two independent leaf copies of each input: one for the kernel, one for the reference."""
-    return [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors], \
-           [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    return [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors], [
+        t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors
+    ]
 
 
 def _check(fn, ref_fn, inputs, function_name, dtype, seed):
@@ -67,8 +74,14 @@ def test_rope_matches_reference(device, dtype, b, heads, s, hd):
     ours, refs = _leaves(x)
     out = apply_rope_triton(ours[0], cos, sin)
     assert out.stride() == apply_rope_reference(x, cos, sin).stride()  # the same layout as the reference
-    _check(lambda t: apply_rope_triton(t, cos, sin), lambda t: apply_rope_reference(t, cos, sin), [x], "_RoPE",
-           dtype, seed=hd)
+    _check(
+        lambda t: apply_rope_triton(t, cos, sin),
+        lambda t: apply_rope_reference(t, cos, sin),
+        [x],
+        "_RoPE",
+        dtype,
+        seed=hd,
+    )
     if dtype == torch.float32 and device == "cpu":  # the same fp32 products and sums: equal bit for bit
         assert torch.equal(out, apply_rope_reference(x, cos, sin))
     elif dtype == torch.float32:  # the GPU compiler contracts x1 c - x2 s into an FMA: one rounding fewer
@@ -86,8 +99,14 @@ def test_rope_rows_of_a_strided_split(device):
     qkv = torch.randn(b, s, 3 * heads * hd, device=device)
     q = qkv[..., : heads * hd].view(b, s, heads, hd).transpose(1, 2)  # (b, heads, s, hd), row stride 3*heads*hd
     cos, sin = rope_cos_sin(s, hd, 10000.0, device=device)
-    _check(lambda t: apply_rope_triton(t, cos, sin), lambda t: apply_rope_reference(t, cos, sin), [q], "_RoPE",
-           torch.float32, seed=0)
+    _check(
+        lambda t: apply_rope_triton(t, cos, sin),
+        lambda t: apply_rope_reference(t, cos, sin),
+        [q],
+        "_RoPE",
+        torch.float32,
+        seed=0,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,8 +142,9 @@ def test_bias_gelu_matches_reference(device, dtype, shape, n, with_bias):
         bias = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
         _check(bias_gelu_triton, bias_gelu_reference, [x, bias], "_BiasGeLU", dtype, seed=n)
     else:
-        _check(lambda t: bias_gelu_triton(t, None), lambda t: bias_gelu_reference(t, None), [x], "_BiasGeLU",
-               dtype, seed=n)
+        _check(
+            lambda t: bias_gelu_triton(t, None), lambda t: bias_gelu_reference(t, None), [x], "_BiasGeLU", dtype, seed=n
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,8 +15,9 @@ def _isolated_cwd(tmp_path, monkeypatch):
 
 
 def cfg(*overrides):
-    return load(["train.steps=100", "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10", *overrides],
-                world_size=1)
+    return load(
+        ["train.steps=100", "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10", *overrides], world_size=1
+    )
 
 
 def test_warmup_then_decay_to_min_lr():
@@ -35,12 +36,20 @@ def test_a_resume_that_moves_the_next_lr_says_so():
     assert schedule_change(saved, cfg(), 80) is None  # the same schedule
     assert schedule_change(saved, cfg("train.micro_batch_size=4"), 80) is None  # not a schedule setting
     longer = schedule_change(saved, cfg("train.steps=200"), 80)  # a stretched cosine: the lr jumps back up
-    assert longer == (f"this resume changes the learning-rate schedule (train.steps: 100 -> 200): step 81 trains at "
-                      f"lr {lr_at(80, cfg('train.steps=200')):.2e}, where the saved run's schedule gives "
-                      f"{lr_at(80, cfg()):.2e} (step 80 had {lr_at(79, cfg()):.2e})")
+    assert longer == (
+        f"this resume changes the learning-rate schedule (train.steps: 100 -> 200): step 81 trains at "
+        f"lr {lr_at(80, cfg('train.steps=200')):.2e}, where the saved run's schedule gives "
+        f"{lr_at(80, cfg()):.2e} (step 80 had {lr_at(79, cfg()):.2e})"
+    )
     assert lr_at(80, cfg("train.steps=200")) > 2 * lr_at(80, cfg())
     assert "optim.lr: 0.001 -> 0.002" in schedule_change(saved, cfg("optim.lr=2e-3"), 80)
     assert schedule_change(saved, cfg("optim.warmup_steps=5"), 3) is not None
     # A change that leaves the next lr alone (the decay's end moved while the lr is held constant) is not news.
-    assert schedule_change({**saved, "optim": {**saved["optim"], "decay": "constant"}},
-                           cfg("optim.decay=constant", "train.steps=300"), 50) is None
+    assert (
+        schedule_change(
+            {**saved, "optim": {**saved["optim"], "decay": "constant"}},
+            cfg("optim.decay=constant", "train.steps=300"),
+            50,
+        )
+        is None
+    )

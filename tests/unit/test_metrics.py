@@ -12,14 +12,29 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_lite import metrics
 from megatron_lite.config import ModelConfig
-from megatron_lite.metrics import (MetricsLogger, layer_flops_per_token, model_flops_per_token, peak_flops,
-                                   recompute_flops_per_token, resolve_wandb_mode, step_flops)
+from megatron_lite.metrics import (
+    MetricsLogger,
+    layer_flops_per_token,
+    model_flops_per_token,
+    peak_flops,
+    recompute_flops_per_token,
+    resolve_wandb_mode,
+    step_flops,
+)
 from megatron_lite.model.gpt import GPT, padded_vocab_size
 from tests.utils.wandb_reader import read_wandb_history
 
 GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=500, seq_len=32)
-LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swiglu", position="rope",
-             bias=False, tie_embeddings=False)
+LLAMA = dict(
+    GPT2,
+    n_kv_heads=2,
+    ffn_hidden=96,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
@@ -77,8 +92,9 @@ def test_hfu_counts_what_recomputation_reruns(mode, every):
 
 # Hand-derived per-token forward FLOPs for h=4, a=2, k=1 (GQA), d=2, f=8, s=6, V=10, one layer, SwiGLU:
 #   QKV 2*4*(2+2)*2 = 64, out 2*2*2*4 = 32, MLP 2*4*8*3 = 192 (dense 288), core 2*2*6*2*2 / 2 = 48, head 2*4*10 = 80.
-TINY = ModelConfig(n_layers=1, n_heads=2, n_kv_heads=1, d_model=4, ffn_hidden=8, seq_len=6, vocab_size=10,
-                   activation="swiglu")
+TINY = ModelConfig(
+    n_layers=1, n_heads=2, n_kv_heads=1, d_model=4, ffn_hidden=8, seq_len=6, vocab_size=10, activation="swiglu"
+)
 
 
 def test_formula_by_hand_and_hfu_per_recompute_mode():
@@ -106,14 +122,17 @@ def test_gpt2_124m_flops_per_token_matches_the_usual_estimate():
     assert model_flops_per_token(cfg, 1024) == 6 * n + 6 * 12 * 1024 * 768
 
 
-@pytest.mark.parametrize("gpu, dtype, tf32, peak, part", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989e12, "H100 SXM"),
-    ("NVIDIA H100 PCIe", torch.bfloat16, False, 756e12, "H100 PCIe"),
-    ("NVIDIA H100 NVL", torch.float16, False, 835e12, "H100 NVL"),
-    ("NVIDIA H200", torch.float32, True, 494e12, "H200 SXM"),
-    ("NVIDIA H200", torch.float32, False, 67e12, "H200 SXM"),
-    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312e12, "A100"),
-])
+@pytest.mark.parametrize(
+    "gpu, dtype, tf32, peak, part",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989e12, "H100 SXM"),
+        ("NVIDIA H100 PCIe", torch.bfloat16, False, 756e12, "H100 PCIe"),
+        ("NVIDIA H100 NVL", torch.float16, False, 835e12, "H100 NVL"),
+        ("NVIDIA H200", torch.float32, True, 494e12, "H200 SXM"),
+        ("NVIDIA H200", torch.float32, False, 67e12, "H200 SXM"),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312e12, "A100"),
+    ],
+)
 def test_peak_table_by_device_name(monkeypatch, gpu, dtype, tf32, peak, part):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     monkeypatch.setattr(metrics, "_cuda_tf32_allowed", lambda: tf32)
@@ -125,7 +144,6 @@ def test_cpu_peak_is_probed_once():
     value, source = peak_flops("cpu", torch.float32)
     assert value > 0 and source.startswith("probed")
     assert peak_flops(torch.device("cpu"), torch.float32) == (value, source)  # cached: the same measurement
-
 
 
 @pytest.mark.parametrize("call_s, calls", [(0.0, 6), (0.05, 1)])
@@ -142,6 +160,7 @@ def test_probe_stops_at_its_budget(monkeypatch, call_s, calls):
     flops = metrics._probe_flops.__wrapped__(torch.device("cpu"), torch.float32, 4, 5, 0.02)
     assert len(made) == calls and flops > 0
 
+
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
     """No network and no files outside tmp_path: offline mode, no credentials, wandb's dirs in tmp_path."""
@@ -149,8 +168,14 @@ def offline_wandb(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-    for key, value in (("WANDB_SILENT", "true"), ("WANDB_DISABLE_GIT", "true"), ("WANDB_DISABLE_CODE", "true"),
-                       ("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+    for key, value in (
+        ("WANDB_SILENT", "true"),
+        ("WANDB_DISABLE_GIT", "true"),
+        ("WANDB_DISABLE_CODE", "true"),
+        ("WANDB_CONFIG_DIR", "cfg"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_DATA_DIR", "data"),
+    ):
         monkeypatch.setenv(key, value if value == "true" else str(tmp_path / value))
     return tmp_path / "run"
 
@@ -159,14 +184,29 @@ KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_
 
 
 def _record(step):
-    return {"loss": 5.0 / step, "lr": 1e-3 * step / 7, "grad_norm": torch.tensor(0.5), "tokens": 128 * step,
-            "tokens_per_s": 1000.0 + step / 3, "step_time_s": 0.1, "mfu": 0.1234 + step / 997, "hfu": 0.2 + step / 991}
+    return {
+        "loss": 5.0 / step,
+        "lr": 1e-3 * step / 7,
+        "grad_norm": torch.tensor(0.5),
+        "tokens": 128 * step,
+        "tokens_per_s": 1000.0 + step / 3,
+        "step_time_s": 0.1,
+        "mfu": 0.1234 + step / 997,
+        "hfu": 0.2 + step / 991,
+    }
 
 
 def test_logger_jsonl_wandb_offline_and_resume(offline_wandb, capsys):
     run_dir = offline_wandb
-    logger = MetricsLogger(str(run_dir), {"model": {"d_model": 64}}, enabled=True, wandb_mode="auto",
-                           run_name="t", total_steps=7, log_interval=2)
+    logger = MetricsLogger(
+        str(run_dir),
+        {"model": {"d_model": 64}},
+        enabled=True,
+        wandb_mode="auto",
+        run_name="t",
+        total_steps=7,
+        log_interval=2,
+    )
     run_id = logger.wandb_id
     for step in (1, 2, 3):
         logger.log(step, _record(step))
@@ -176,8 +216,9 @@ def test_logger_jsonl_wandb_offline_and_resume(offline_wandb, capsys):
     # Two resumes with the same id, usually within the same second: wandb then names the directory
     # offline-run-<second>-<id>-1 instead of replacing the first (the reader orders runs by time).
     for steps in ((4, 5), (6, 7)):
-        resumed = MetricsLogger(str(run_dir), {}, enabled=True, wandb_mode="offline", wandb_id=run_id,
-                                total_steps=7, log_interval=2)
+        resumed = MetricsLogger(
+            str(run_dir), {}, enabled=True, wandb_mode="offline", wandb_id=run_id, total_steps=7, log_interval=2
+        )
         assert resumed.wandb_id == run_id
         for step in steps:
             resumed.log(step, _record(step) | ({"note": "x" * 70_000} if step == 5 else {}))  # > 2 blocks
@@ -246,14 +287,23 @@ def test_a_resumed_run_replaces_the_records_of_the_steps_it_runs_again(tmp_path,
     logger.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["loss"] == 0.5
-    assert "metrics.jsonl: 2 record(s) of steps after 4 (up to 6), which this run starts before, moved to " \
-           "metrics.dropped.jsonl" in capsys.readouterr().out
+    assert (
+        "metrics.jsonl: 2 record(s) of steps after 4 (up to 6), which this run starts before, moved to "
+        "metrics.dropped.jsonl" in capsys.readouterr().out
+    )
     MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=5).close()  # nothing to drop
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
     MetricsLogger(str(tmp_path), {}, enabled=True, wandb_mode="disabled", start_step=0).close()  # a fresh run
     assert path.read_text() == ""
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()] == \
-        [5, 6, 1, 2, 3, 4, 5]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()] == [
+        5,
+        6,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
 
 
 class _FakeRun:

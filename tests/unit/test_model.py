@@ -10,8 +10,16 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT, apply_rope, padded_vocab_size, rope_cos_sin
 
 GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
-LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swiglu", position="rope",
-             bias=False, tie_embeddings=False)
+LLAMA = dict(
+    GPT2,
+    n_kv_heads=2,
+    ffn_hidden=96,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -108,8 +116,10 @@ def test_compiled_blocks_share_one_graph_and_follow_eager():
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         losses.append(loss)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], \
-        (dict(counters["stats"]), dict(counters["graph_break"]))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (
+        dict(counters["stats"]),
+        dict(counters["graph_break"]),
+    )
     # Inductor fuses and reorders fp32 arithmetic: relative differences of a few 1e-7 (stated tolerance 1e-5).
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):

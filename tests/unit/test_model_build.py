@@ -14,8 +14,16 @@ from megatron_lite.model.init import init_tensor, param_seed
 from megatron_lite.pipeline.partition import rank_chunks
 
 GPT2 = dict(n_layers=4, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
-LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swiglu", position="rope",
-             bias=False, tie_embeddings=False)
+LLAMA = dict(
+    GPT2,
+    n_kv_heads=2,
+    ffn_hidden=96,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+)
 FLAVOURS = {"gpt2": GPT2, "llama": LLAMA}
 
 
@@ -57,7 +65,7 @@ def test_init_follows_gpt2_rules():
             rows = p[: cfg.vocab_size] if name == "wte.weight" else p
             std = 0.02 / 4 if name.endswith(("attn.proj.weight", "mlp.fc_out.weight")) else 0.02  # 1/sqrt(2*8)
             assert abs(rows.std().item() / std - 1) < 0.1 and abs(rows.mean().item()) < 1e-3, name
-    assert torch.equal(model.wte.weight[cfg.vocab_size:], torch.zeros(1024 - 1000, 64))  # padding starts at zero
+    assert torch.equal(model.wte.weight[cfg.vocab_size :], torch.zeros(1024 - 1000, 64))  # padding starts at zero
 
 
 def test_a_parameter_depends_only_on_seed_and_name():
@@ -67,11 +75,13 @@ def test_a_parameter_depends_only_on_seed_and_name():
     untied = GPT(ModelConfig(**dict(GPT2, tie_embeddings=False)), seed=9)
     for name, p in tied.named_parameters():
         assert torch.equal(p, dict(untied.named_parameters())[name]), name
-    assert torch.equal(tied.blocks[2].attn.qkv.weight,
-                       init_tensor("blocks.2.attn.qkv.weight", (192, 64), tied.cfg, seed=9))
+    assert torch.equal(
+        tied.blocks[2].attn.qkv.weight, init_tensor("blocks.2.attn.qkv.weight", (192, 64), tied.cfg, seed=9)
+    )
     assert not torch.equal(tied.blocks[0].mlp.fc_in.weight, tied.blocks[1].mlp.fc_in.weight)
-    assert len({param_seed(s, n) for s in range(3) for n, _ in untied.named_parameters()}) == \
-        3 * len(list(untied.named_parameters()))
+    assert len({param_seed(s, n) for s in range(3) for n, _ in untied.named_parameters()}) == 3 * len(
+        list(untied.named_parameters())
+    )
 
 
 def test_param_seed_is_a_fixed_function_of_seed_and_name():
@@ -143,5 +153,7 @@ def test_compile_blocks_compiles_every_block_in_place():
     model = GPT(ModelConfig(name="t", n_layers=3, n_heads=4, d_model=32, vocab_size=300, seq_len=16))
     names = [name for name, _ in model.named_parameters()]
     model.compile_blocks()
-    assert all(getattr(block.compute, "_torchdynamo_orig_callable", None) is not None for block in model.blocks.values())
+    assert all(
+        getattr(block.compute, "_torchdynamo_orig_callable", None) is not None for block in model.blocks.values()
+    )
     assert [name for name, _ in model.named_parameters()] == names

@@ -5,13 +5,7 @@ import re
 import pytest
 
 from megatron_lite.errors import ConfigError
-from megatron_lite.pipeline.partition import (
-    layers_per_stage,
-    rank_chunks,
-    stage_layers,
-    stage_owner,
-    virtual_stage,
-)
+from megatron_lite.pipeline.partition import layers_per_stage, rank_chunks, stage_layers, stage_owner, virtual_stage
 
 
 @pytest.mark.parametrize("pp,vpp", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (2, 3)])
@@ -40,8 +34,9 @@ def test_v_shape_places_stages_down_and_back(pp):
             assert stage_owner(spec.virtual_stage, pp, v_shape=True) == (r, spec.chunk)
             assert spec.layers == range(2 * spec.virtual_stage, 2 * spec.virtual_stage + 2)
             seen += list(spec.layers)
-        assert [(s.has_embedding, s.has_head) for s in specs] == ([(True, False), (False, True)] if r == 0 else
-                                                                  [(False, False)] * 2)
+        assert [(s.has_embedding, s.has_head) for s in specs] == (
+            [(True, False), (False, True)] if r == 0 else [(False, False)] * 2
+        )
     assert sorted(seen) == list(range(n_layers))
 
 

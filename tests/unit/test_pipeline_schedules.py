@@ -76,7 +76,8 @@ def test_zb_h1_runs_clean_with_formula_bubble(pp, m):
     for rank in range(pp):  # every step once, and each W after its own B
         computes = [s for s in schedule[rank] if isinstance(s, Compute)]
         assert sorted((s.kind, s.microbatch) for s in computes) == sorted(
-            (kind, mb) for kind in "FBW" for mb in range(m))
+            (kind, mb) for kind in "FBW" for mb in range(m)
+        )
         assert all(computes.index(Compute("W", mb, 0)) > computes.index(Compute("B", mb, 0)) for mb in range(m))
 
 
@@ -98,8 +99,7 @@ def test_zb_h1_shape():
     assert names(0) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
     assert names(3) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
     res = simulate(build_schedule("zb_h1", 2, 1, 2), 2, 1, 2, 1.0, 2.0, w_cost=1.0)
-    assert render_grid(res).splitlines()[1:] == ["rank 0 | F0 F1 .  B0 W0 B1 W1",
-                                                 "rank 1 | .  F0 B0 F1 B1 W0 W1"]
+    assert render_grid(res).splitlines()[1:] == ["rank 0 | F0 F1 .  B0 W0 B1 W1", "rank 1 | .  F0 B0 F1 B1 W0 W1"]
 
 
 @pytest.mark.parametrize("pp,m", ZB_CASES)
@@ -119,13 +119,16 @@ def test_zbv_runs_clean_with_formula_bubble(pp, m):
     for rank in range(pp):
         computes = [s for s in schedule[rank] if isinstance(s, Compute)]
         assert sorted((s.kind, s.microbatch, s.chunk) for s in computes) == sorted(
-            (kind, mb, chunk) for kind in "FBW" for mb in range(m) for chunk in (0, 1))
+            (kind, mb, chunk) for kind in "FBW" for mb in range(m) for chunk in (0, 1)
+        )
 
 
 def test_zbv_table_pp4():
     """pp=4, F = B = W: 1F1B's bubble 3/m against ZB-V's 1/(2m), below 0.1 from m = 8 on."""
-    bubbles = {m: simulate(build_schedule("zbv", 4, 2, m), 4, 2, m, 1.0, 2.0, w_cost=1.0, name="zbv").bubble
-               for m in (4, 8, 16)}
+    bubbles = {
+        m: simulate(build_schedule("zbv", 4, 2, m), 4, 2, m, 1.0, 2.0, w_cost=1.0, name="zbv").bubble
+        for m in (4, 8, 16)
+    }
     assert bubbles[8] == pytest.approx(0.0625) and bubbles[16] == pytest.approx(0.03125)
     assert bubbles[4] == pytest.approx(0.2083, abs=1e-4)  # m < 2pp-1: the V never fills
 
@@ -142,8 +145,11 @@ def test_zbv_places_chunks_in_a_v():
 
 
 def test_zb_h1_refuses_chunks():
-    with pytest.raises(ConfigError, match=r"^parallel.schedule=zb_h1 runs one model chunk per pipeline rank, "
-                                          r"got parallel.vpp=2; use parallel.vpp=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel.schedule=zb_h1 runs one model chunk per pipeline rank, "
+        r"got parallel.vpp=2; use parallel.vpp=1",
+    ):
         build_schedule("zb_h1", 2, 2, 4)
 
 
@@ -191,8 +197,11 @@ def test_group_size_follows_megatron():
 def test_pp2_shares_one_channel_for_acts_and_grads():
     """At pp=2 with vpp>1 activations and gradients to the same peer go in one Comm, in an order both agree on."""
     schedule = build_schedule("interleaved", 2, 2, 4)
-    mixed = [s for s in schedule[0] if isinstance(s, Comm)
-             and {(op.op, op.kind) for op in s.ops} >= {("send", "act"), ("send", "grad")}]
+    mixed = [
+        s
+        for s in schedule[0]
+        if isinstance(s, Comm) and {(op.op, op.kind) for op in s.ops} >= {("send", "act"), ("send", "grad")}
+    ]
     assert mixed and all(op.peer == 1 for s in mixed for op in s.ops)
     simulate(schedule, 2, 2, 4)
 
@@ -205,16 +214,22 @@ def test_resolve_schedule():
     assert resolve_schedule("gpipe", 2) == "gpipe"
     assert resolve_schedule("zb_h1", 1) == "zb_h1"
     assert resolve_schedule("zbv", 2) == "zbv"
-    with pytest.raises(ConfigError, match=r"^parallel.schedule=zbv runs two model chunks per pipeline rank \(a V\), "
-                                          r"got parallel.vpp=1; use parallel.vpp=2$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallel.schedule=zbv runs two model chunks per pipeline rank \(a V\), "
+        r"got parallel.vpp=1; use parallel.vpp=2$",
+    ):
         resolve_schedule("zbv", 1)
     with pytest.raises(ConfigError, match=r"^parallel.schedule=zb is not a valid choice; use one of auto"):
         resolve_schedule("zb", 1)
 
 
 def test_too_few_microbatches_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"parallel.schedule=1f1b needs at least parallel.pp=4 micro-batches"
-                                          r".* got 3 .* parallel.schedule=gpipe"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.schedule=1f1b needs at least parallel.pp=4 micro-batches"
+        r".* got 3 .* parallel.schedule=gpipe",
+    ):
         build_schedule("1f1b", 4, 1, 3)
 
 
@@ -246,8 +261,11 @@ def test_swapped_act_and_grad_in_one_batch_is_a_mismatch():
     # pp=2, vpp=2: both kinds travel 1 -> 0 in one Comm; NCCL pairs by order, so swapping them corrupts
     schedule = build_schedule("interleaved", 2, 2, 4)
     row = schedule[0]
-    i = next(i for i in _comm_positions(row, lambda op: op.op == "recv")
-             if {op.kind for op in row[i].ops if op.op == "recv"} == {"act", "grad"})
+    i = next(
+        i
+        for i in _comm_positions(row, lambda op: op.op == "recv")
+        if {op.kind for op in row[i].ops if op.op == "recv"} == {"act", "grad"}
+    )
     row[i] = Comm(tuple(reversed(row[i].ops)))
     _fails(schedule, 2, 2, 4, "mismatched")
 
@@ -306,6 +324,8 @@ def test_render_grid_of_a_bare_schedule():
     text = render_grid(build_schedule("interleaved", 2, 2, 2))
     assert text.splitlines()[1].split("|")[1].split()[:4] == ["F0a", "F1a", "F0b", "F1b"]
     res = simulate(build_schedule("1f1b", 2, 1, 2), 2, 1, 2, 1.0, 2.0)
-    assert render_grid(res).splitlines()[1:] == ["rank 0 | F0 F1 .  .  B0 ~  .  B1 ~",
-                                                 "rank 1 | .  F0 B0 ~  F1 B1 ~  .  ."]
+    assert render_grid(res).splitlines()[1:] == [
+        "rank 0 | F0 F1 .  .  B0 ~  .  B1 ~",
+        "rank 1 | .  F0 B0 ~  F1 B1 ~  .  .",
+    ]
     assert dataclasses.is_dataclass(res.timelines[0][0]) and res.makespan == 9.0  # (m + pp - 1) * (f + b)

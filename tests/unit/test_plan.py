@@ -32,8 +32,16 @@ from megatron_lite.plan.timing import schedule_bubble
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT2 = dict(n_heads=4, d_model=64, vocab_size=500, seq_len=32)
-LLAMA = dict(GPT2, n_kv_heads=2, ffn_hidden=96, norm="rmsnorm", activation="swiglu", position="rope",
-             tie_embeddings=False, bias=False)
+LLAMA = dict(
+    GPT2,
+    n_kv_heads=2,
+    ffn_hidden=96,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    tie_embeddings=False,
+    bias=False,
+)
 
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2-tied", "llama-untied"])
@@ -77,16 +85,38 @@ def test_activations_are_every_tensor_autograd_keeps(kw, dropout, dtype, recompu
     byte: CPU SDPA takes its fused flash kernel without dropout and its math path with it."""
     cfg, b = ModelConfig(n_layers=2, dropout=dropout, **kw), 2
     act = 2 if dtype == torch.bfloat16 else 4
-    x = A.MicroShape(b=b, s=cfg.seq_len, tp=1, sp=False, cp=1, cp_mode="ring", flash=dropout == 0, act=act, res=act,
-                     autocast=False, dropout=dropout > 0, stats=act)
-    layer = _saved_bytes(dataclasses.replace(cfg, n_layers=3), recompute, b, dtype) - _saved_bytes(cfg, recompute, b, dtype)
+    x = A.MicroShape(
+        b=b,
+        s=cfg.seq_len,
+        tp=1,
+        sp=False,
+        cp=1,
+        cp_mode="ring",
+        flash=dropout == 0,
+        act=act,
+        res=act,
+        autocast=False,
+        dropout=dropout > 0,
+        stats=act,
+    )
+    layer = _saved_bytes(dataclasses.replace(cfg, n_layers=3), recompute, b, dtype) - _saved_bytes(
+        cfg, recompute, b, dtype
+    )
     assert layer == A.layer_bytes(cfg, x, recompute)
     one = _saved_bytes(dataclasses.replace(cfg, n_layers=1), recompute, b, dtype)
     assert one - layer == A.embedding_saved(cfg, x) + A.head_saved(cfg, x)
 
 
-@pytest.mark.parametrize("name, pp, vpp, m", [("1f1b", 4, 1, 8), ("gpipe", 4, 1, 8), ("interleaved", 4, 2, 8),
-                                               ("interleaved", 4, 2, 9), ("interleaved", 2, 3, 4)])
+@pytest.mark.parametrize(
+    "name, pp, vpp, m",
+    [
+        ("1f1b", 4, 1, 8),
+        ("gpipe", 4, 1, 8),
+        ("interleaved", 4, 2, 8),
+        ("interleaved", 4, 2, 9),
+        ("interleaved", 2, 3, 4),
+    ],
+)
 def test_in_flight_moments_match_the_simulator(name, pp, vpp, m):
     """The most micro-batch-chunks a rank holds, from the walk of its order, equals the simulator's peak."""
     sim = simulate(build_schedule(name, pp, vpp, m), pp, vpp, m)
@@ -121,13 +151,24 @@ def test_every_searched_layout_passes_validation():
 def _train_py(*args, world: int = 1):
     env = dict(os.environ, WORLD_SIZE=str(world))
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], env=env, capture_output=True,
-                          text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), *args], env=env, capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_check_prints_one_line_and_refuses_a_layout_that_does_not_fit(tmp_path):
-    ok = _train_py("--check", "model=llama-7b", "parallel.tp=2", "parallel.sp=true", "zero.stage=2",
-                   "train.micro_batch_size=1", "train.global_batch_size=256", "--json", f"{tmp_path}/ok.json", world=16)
+    ok = _train_py(
+        "--check",
+        "model=llama-7b",
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "zero.stage=2",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=256",
+        "--json",
+        f"{tmp_path}/ok.json",
+        world=16,
+    )
     assert ok.returncode == 0 and len(ok.stdout.strip().splitlines()) == 1, ok.stderr
     assert ok.stdout.startswith("layout: dp 8, tp 2 +sp") and "GiB per GPU" in ok.stdout and "MFU" in ok.stdout
     (row,) = json.loads((tmp_path / "ok.json").read_text())
@@ -150,8 +191,9 @@ def test_fp32_is_priced_at_the_fp32_peak_the_trainer_runs_at():
     A100, and its MFU is taken against that (metrics.peak_flops). The planner priced fp32 at half the bf16 peak
     (the TF32 rate): gpt-1.3b at 16 x 2048 tokens in 3.0 s a step, where 2.8e14 FLOPs need 14 s at 100% of the
     fp32 peak (found from outside)."""
-    cfg = load(["model=gpt-1.3b", "train.precision=fp32", "cluster.gpu=a100-40gb", "train.micro_batch_size=1"],
-               world_size=1)
+    cfg = load(
+        ["model=gpt-1.3b", "train.precision=fp32", "cluster.gpu=a100-40gb", "train.micro_batch_size=1"], world_size=1
+    )
     prediction = predict(cfg.model, Layout.from_config(cfg, 1), cluster_from_config(cfg.cluster, 1), "fp32")
     flops = prediction.tflops_per_gpu * 1e12 * prediction.step.total_s
     assert prediction.step.total_s > flops / 19.5e12, prediction.step.total_s
@@ -159,13 +201,35 @@ def test_fp32_is_priced_at_the_fp32_peak_the_trainer_runs_at():
 
 
 def test_plan_ranks_layouts_and_writes_json(tmp_path):
-    out = _train_py("--plan", "model=gpt2-350m", "cluster.gpu=a100-40gb", "cluster.nodes=1",
-                    "train.global_batch_size=64", "--json", f"{tmp_path}/plan.json")
+    out = _train_py(
+        "--plan",
+        "model=gpt2-350m",
+        "cluster.gpu=a100-40gb",
+        "cluster.nodes=1",
+        "train.global_batch_size=64",
+        "--json",
+        f"{tmp_path}/plan.json",
+    )
     assert out.returncode == 0, out.stderr
     assert "layouts fit on 1 x 8 a100-40gb" in out.stdout and "train.global_batch_size=64" in out.stdout
     rows = json.loads((tmp_path / "plan.json").read_text())
-    keys = {"tp", "pp", "vpp", "cp", "dp", "zero_stage", "recompute", "micro_batch_size", "schedule", "memory_gib",
-            "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "fits"}
+    keys = {
+        "tp",
+        "pp",
+        "vpp",
+        "cp",
+        "dp",
+        "zero_stage",
+        "recompute",
+        "micro_batch_size",
+        "schedule",
+        "memory_gib",
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "fits",
+    }
     assert rows and all(keys <= set(r) and r["fits"] for r in rows)
     assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
     assert all(r["tp"] * r["cp"] * r["pp"] * r["dp"] == 8 for r in rows)
@@ -186,12 +250,20 @@ def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
     composed = compose_config(base)
     cfg = checked(composed, 8)
     cluster = cluster_from_config(cfg.cluster, 8)
-    odd = [["parallel.pp=4", "parallel.vpp=2", "zero.stage=2", "train.micro_batch_size=2"],
-           ["parallel.tp=2", "parallel.pp=4", "parallel.schedule=gpipe", "zero.stage=1", "train.micro_batch_size=1"],
-           ["zero.stage=3", "zero.offload_param=cpu", "zero.offload_optimizer=cpu", "train.micro_batch_size=4",
-            "train.recompute=full", "train.recompute_every=2"],
-           ["parallel.tp=2", "zero.stage=1", "train.recompute=selective", "train.micro_batch_size=4"],
-           ["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=0", "train.micro_batch_size=4"]]
+    odd = [
+        ["parallel.pp=4", "parallel.vpp=2", "zero.stage=2", "train.micro_batch_size=2"],
+        ["parallel.tp=2", "parallel.pp=4", "parallel.schedule=gpipe", "zero.stage=1", "train.micro_batch_size=1"],
+        [
+            "zero.stage=3",
+            "zero.offload_param=cpu",
+            "zero.offload_optimizer=cpu",
+            "train.micro_batch_size=4",
+            "train.recompute=full",
+            "train.recompute_every=2",
+        ],
+        ["parallel.tp=2", "zero.stage=1", "train.recompute=selective", "train.micro_batch_size=4"],
+        ["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=0", "train.micro_batch_size=4"],
+    ]
     searched = [lay.overrides() for lay in itertools.islice(layouts(cfg.model, 32, 8, 8), 7, None, 211)]
     fixed = 0
     for overrides in odd + searched:
@@ -215,21 +287,38 @@ def test_plan_pins_the_knobs_given_and_says_why_nothing_is_found(capsys):
     count divides, or pins no layout has."""
     from megatron_lite.cli import main
 
-    assert main(["--plan", "model=llama-7b", "cluster.nodes=1", "zero.stage=3", "parallel.tp=2",
-                 "train.global_batch_size=64"]) == 0
+    assert (
+        main(
+            [
+                "--plan",
+                "model=llama-7b",
+                "cluster.nodes=1",
+                "zero.stage=3",
+                "parallel.tp=2",
+                "train.global_batch_size=64",
+            ]
+        )
+        == 0
+    )
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:] if line[:3].strip().isdigit()]
     assert rows and all(r[1] == "2" and r[7] == "3" for r in rows), rows  # tp and zero columns
     assert main(["--plan", "model=llama-7b", "parallel.cp=0"]) == 2  # was: no layout of 8 GPUs has parallel.cp=0
-    assert capsys.readouterr().err.strip() == ("config error: parallel.cp=0 must be >= 1; pin a size of 1 or more, "
-                                               "or leave it out to search it")
+    assert capsys.readouterr().err.strip() == (
+        "config error: parallel.cp=0 must be >= 1; pin a size of 1 or more, or leave it out to search it"
+    )
     assert main(["--plan", "model=llama-7b", "parallel.schedule=gpipe"]) == 2
     assert capsys.readouterr().err.strip() == (
         "config error: parallel.schedule=gpipe is not among what --plan searches (the schedule auto picks); leave it "
-        "out, and `train.py --check` a layout with it")
+        "out, and `train.py --check` a layout with it"
+    )
     assert main(["--plan", "model=llama-7b", "cluster.nodes=1", "parallel.pp=3"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "config error: no layout of 8 GPUs has parallel.pp=3; pin fewer settings, or none to rank every layout")
+        "config error: no layout of 8 GPUs has parallel.pp=3; pin fewer settings, or none to rank every layout"
+    )
     assert main(["--plan", "model=gpt-1.3b", "cluster.nodes=3", "train.global_batch_size=1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("config error: no layout of 24 GPUs takes train.global_batch_size=1: ") and \
-        err.endswith("use train.global_batch_size=24, or another number of GPUs") and "\n" not in err
+    assert (
+        err.startswith("config error: no layout of 24 GPUs takes train.global_batch_size=1: ")
+        and err.endswith("use train.global_batch_size=24, or another number of GPUs")
+        and "\n" not in err
+    )

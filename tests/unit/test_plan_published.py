@@ -20,8 +20,11 @@ def test_predicted_throughput_is_within_15_percent_of_published(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [NARAYANAN_2021[0], NARAYANAN_2021[-1], KORTHIKANTI_2022[1]],
-                         ids=lambda r: f"{r.source[:10]}-{r.params_b:g}B")
+@pytest.mark.parametrize(
+    "run",
+    [NARAYANAN_2021[0], NARAYANAN_2021[-1], KORTHIKANTI_2022[1]],
+    ids=lambda r: f"{r.source[:10]}-{r.params_b:g}B",
+)
 def test_picked_layout_is_at_least_as_fast_as_the_papers(run):
     """Their layout is in the search space (an even split, ZeRO-1, their micro-batch and recomputation), so the
     pick can only be faster or equal; what this checks is that the search finds it and prices both alike."""

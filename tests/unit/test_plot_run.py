@@ -8,9 +8,18 @@ from tools.plot_run import plot
 
 
 def rows(n: int) -> list[dict]:
-    return [{"step": s, "loss": 9.0 - s / 10, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.3, "hfu": 0.3,
-             **({"val_loss": 8.5, "val_loss/data/a": 8.4, "val_loss/data/b": 8.6} if s % 2 == 0 else {})}
-            for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "loss": 9.0 - s / 10,
+            "lr": 1e-3,
+            "tokens_per_s": 1000.0,
+            "mfu": 0.3,
+            "hfu": 0.3,
+            **({"val_loss": 8.5, "val_loss/data/a": 8.4, "val_loss/data/b": 8.6} if s % 2 == 0 else {}),
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_plots_a_run_and_ignores_a_half_written_last_line(tmp_path):

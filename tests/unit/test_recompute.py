@@ -13,9 +13,21 @@ from megatron_lite.model.gpt import GPT
 
 FLAVOURS = {
     "gpt2": dict(n_layers=3, n_heads=4, d_model=64, vocab_size=300, seq_len=32, dropout=0.1),
-    "llama-gqa": dict(n_layers=3, n_heads=4, n_kv_heads=2, d_model=64, ffn_hidden=96, vocab_size=300, seq_len=32,
-                      norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False,
-                      dropout=0.1),
+    "llama-gqa": dict(
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        d_model=64,
+        ffn_hidden=96,
+        vocab_size=300,
+        seq_len=32,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+        dropout=0.1,
+    ),
 }
 MODES = [("selective", 1), ("full", 1), ("full", 2)]
 

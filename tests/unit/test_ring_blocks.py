@@ -23,7 +23,8 @@ def serial(q, k, v, grad):
     q, k, v = (x.double().requires_grad_() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True)
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=True
+    )
     out.backward(grad.double())
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -47,7 +48,9 @@ def test_ring_blocks_match_serial_attention(device, dtype, blocks, cp):
     b, heads, kv_heads, hd = 2, 8, 2, 64
     s = 2 * cp * (96 if device == "cuda" else 24)  # chunks not a multiple of the kernels' tiles
     g = torch.Generator().manual_seed(5)
-    q, k, v, grad = (torch.randn(b, h, s, hd, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads, heads))
+    q, k, v, grad = (
+        torch.randn(b, h, s, hd, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads, heads)
+    )
     want = serial(q, k, v, grad)
     kernel = fused_kernel(q) if blocks == "fused" else None
     if blocks == "fused":

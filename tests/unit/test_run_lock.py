@@ -13,20 +13,29 @@ from megatron_lite.faults.run_lock import RunDirLock
 from megatron_lite.parallel.context import free_port
 from tests.distributed.launcher import ROOT, rank_env
 
-HOLD = "import sys, time; from megatron_lite.faults.run_lock import RunDirLock; RunDirLock(sys.argv[1]); " \
-       "print('held', flush=True); time.sleep(60)"
+HOLD = (
+    "import sys, time; from megatron_lite.faults.run_lock import RunDirLock; RunDirLock(sys.argv[1]); "
+    "print('held', flush=True); time.sleep(60)"
+)
 
 
 def test_a_second_run_on_a_run_dir_is_refused_until_the_first_is_gone(tmp_path):
     first = RunDirLock(str(tmp_path / "run"))
-    with pytest.raises(RunError, match=rf"^run.dir={tmp_path}/run is in use by another run \(host \S+, pid "
-                                       rf"{os.getpid()}, since .*\): two runs on one run.dir"):
+    with pytest.raises(
+        RunError,
+        match=rf"^run.dir={tmp_path}/run is in use by another run \(host \S+, pid "
+        rf"{os.getpid()}, since .*\): two runs on one run.dir",
+    ):
         RunDirLock(str(tmp_path / "run"))
     first.release()
     RunDirLock(str(tmp_path / "run")).release()
     # a holder killed with SIGKILL leaves no lock behind (a restart takes it at once)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(RunError, match=rf"pid {holder.pid}"):
         RunDirLock(str(tmp_path / "run"))
@@ -43,11 +52,24 @@ def test_every_rank_of_a_refused_run_ends_with_exit_3(tmp_path):
     held = RunDirLock(str(tmp_path / "run"))
     try:
         port = str(free_port())
-        ranks = [subprocess.Popen([sys.executable, "train.py", f"run.dir={tmp_path}/run", "logging.wandb.mode=disabled"],
-                                  cwd=ROOT, env=rank_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                                         MASTER_PORT=port),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "train.py", f"run.dir={tmp_path}/run", "logging.wandb.mode=disabled"],
+                cwd=ROOT,
+                env=rank_env(
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE="2",
+                    LOCAL_WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
         try:
             outs = [rank.communicate(timeout=120) for rank in ranks]
         finally:
@@ -55,7 +77,8 @@ def test_every_rank_of_a_refused_run_ends_with_exit_3(tmp_path):
                 rank.kill()
         errors = [line for out, err in outs for line in (out + err).splitlines() if line.startswith("error:")]
         assert [rank.returncode for rank in ranks] == [3, 3], outs
-        assert len(errors) == 1 and errors[0].startswith(f"error: run.dir={tmp_path}/run is in use by another run (host"), \
-            errors
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: run.dir={tmp_path}/run is in use by another run (host"
+        ), errors
     finally:
         held.release()

@@ -17,8 +17,19 @@ from megatron_lite.pipeline.executor import PipelineExecutor
 
 FLAVOURS = {
     "gpt2": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),
-    "llama": dict(n_heads=4, n_kv_heads=2, d_model=32, ffn_hidden=48, vocab_size=300, seq_len=16, norm="rmsnorm",
-                  activation="swiglu", position="rope", bias=False, tie_embeddings=False),
+    "llama": dict(
+        n_heads=4,
+        n_kv_heads=2,
+        d_model=32,
+        ffn_hidden=48,
+        vocab_size=300,
+        seq_len=16,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -81,8 +92,9 @@ def test_zb_h1_at_pp1_equals_1f1b(flavour, recompute):
     for schedule in ("1f1b", "zb_h1"):
         model = _model(flavour)
         model.set_recompute(recompute)
-        executor = PipelineExecutor(model.chunks, schedule, 1, 0, (2, 16, 32), torch.float32, torch.device("cpu"),
-                                    lambda r: r, None)
+        executor = PipelineExecutor(
+            model.chunks, schedule, 1, 0, (2, 16, 32), torch.float32, torch.device("cpu"), lambda r: r, None
+        )
         loss = executor.run(model, batches).loss
         grads[schedule] = loss, {name: p.grad for name, p in model.named_parameters()}
     assert torch.equal(grads["zb_h1"][0], grads["1f1b"][0])
@@ -125,8 +137,10 @@ def check_autocast_weight_gradients_in_fp32(device: str, split: bool) -> None:
         for t in (x, w, b):
             t.grad = None
         store = weight_grad.WeightGradStore()
-        with torch.autocast(device, dtype=torch.bfloat16), weight_grad.split(store) if split and name == "ours" \
-                else torch.enable_grad():
+        with (
+            torch.autocast(device, dtype=torch.bfloat16),
+            weight_grad.split(store) if split and name == "ours" else torch.enable_grad(),
+        ):
             y = fn(x, w, b)
         if split and name == "ours":
             with store.collecting((0, 0)):
@@ -171,8 +185,11 @@ def check_compiled_blocks_make_fp32_weight_gradients(device: str, tol: float) ->
             with torch.autocast(device, dtype=torch.bfloat16):
                 loss = model(batch[:, :-1], batch[:, 1:])
             loss.backward()
-        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], \
-            (flavour, dict(counters["stats"]), dict(counters["graph_break"]))
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], (
+            flavour,
+            dict(counters["stats"]),
+            dict(counters["graph_break"]),
+        )
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             assert q.grad.dtype == torch.float32
             error = ((q.grad - p.grad).abs().max() / p.grad.abs().max()).item()
@@ -212,8 +229,9 @@ def test_one_bf16_copy_of_each_weight_per_step(schedule, recompute):
     for once in (False, True):
         model = _model(flavour)
         model.set_recompute(recompute)
-        executor = PipelineExecutor(model.chunks, schedule, 1, 0, (2, 16, 32), torch.float32, torch.device("cpu"),
-                                    lambda r: r, None)
+        executor = PipelineExecutor(
+            model.chunks, schedule, 1, 0, (2, 16, 32), torch.float32, torch.device("cpu"), lambda r: r, None
+        )
 
         def forward(*args, **kwargs):  # as Engine's, under ZeRO-0 bf16
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -223,8 +241,11 @@ def test_one_bf16_copy_of_each_weight_per_step(schedule, recompute):
         with counter, weight_grad.one_copy_per_step() if once else torch.enable_grad():
             loss = executor.run(forward, batches).loss
         out[once] = loss, {name: p.grad for name, p in model.named_parameters()}, counter.casts
-    multiplied = {name for name, p in _model(flavour).named_parameters() if name.endswith(("attn.qkv.weight",
-                  "attn.proj.weight", "mlp.fc_in.weight", "mlp.fc_out.weight", "wte.weight"))}
+    multiplied = {
+        name
+        for name, p in _model(flavour).named_parameters()
+        if name.endswith(("attn.qkv.weight", "attn.proj.weight", "mlp.fc_in.weight", "mlp.fc_out.weight", "wte.weight"))
+    }
     assert set(out[True][2]) >= multiplied, set(out[True][2]) ^ multiplied
     assert all(n == 1 for n in out[True][2].values()), out[True][2]
     per_micro = 2 if recompute == "full" else 1

@@ -32,8 +32,14 @@ def pytest_runtest_protocol(item, nextitem):
     busy, wall = _busy_s(), time.monotonic()
     yield
     wall, busy = time.monotonic() - wall, _busy_s() - busy
-    _rows.append({"test": item.nodeid, "wall_s": round(wall, 2), "busy_s": round(busy, 2),
-                  "idle_s": round(max(os.cpu_count() * wall - busy, 0.0), 2)})
+    _rows.append(
+        {
+            "test": item.nodeid,
+            "wall_s": round(wall, 2),
+            "busy_s": round(busy, 2),
+            "idle_s": round(max(os.cpu_count() * wall - busy, 0.0), 2),
+        }
+    )
     if os.environ.get("CPU_USE_OUT"):
         with open(os.environ["CPU_USE_OUT"], "a") as f:
             f.write(json.dumps(_rows[-1]) + "\n")
@@ -45,7 +51,9 @@ def pytest_terminal_summary(terminalreporter):
     cores, wall, busy = os.cpu_count(), sum(r["wall_s"] for r in _rows), sum(r["busy_s"] for r in _rows)
     write = terminalreporter.write_line
     terminalreporter.section("CPU use (tests/utils/cpu_use.py)")
-    write(f"{len(_rows)} tests, {wall:.0f} s: the {cores} cores busy {busy / (cores * wall):.0%} of the time "
-          f"({cores * wall - busy:.0f} idle core-seconds)")
+    write(
+        f"{len(_rows)} tests, {wall:.0f} s: the {cores} cores busy {busy / (cores * wall):.0%} of the time "
+        f"({cores * wall - busy:.0f} idle core-seconds)"
+    )
     for r in sorted(_rows, key=lambda r: -r["idle_s"])[:15]:
         write(f"{r['idle_s']:8.1f} idle core-s {r['wall_s']:8.1f} s  {r['test']}")

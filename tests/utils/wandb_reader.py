@@ -24,12 +24,12 @@ def _records(data: bytes):
         if left_in_block < HEADER:
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         pos += HEADER
         if kind == 0 and length == 0:
             pos += left_in_block - HEADER
             continue
-        chunk = data[pos:pos + length]
+        chunk = data[pos : pos + length]
         pos += length
         if kind == 1:
             yield chunk
@@ -53,8 +53,9 @@ def _history(path: str) -> list[dict]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return rows
 
 
