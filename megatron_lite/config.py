@@ -139,7 +139,7 @@ class TrainConfig:
     """Console progress-line update every N steps (metrics.jsonl always gets every step)."""
     profile_steps: list[int] | None = None
     """[first, last]: record torch.profiler over these steps (inclusive) and write a Chrome trace and an op table
-    per profiled rank to ${run.dir}/profile/ (megatron_lite/profiling.py); null = never."""
+    per profiled rank to ${run.dir}/profile/ (megatron_lite/metrics/profiling.py); null = never."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """The global ranks that profile train.profile_steps."""
     track_memory: bool = False

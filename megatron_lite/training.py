@@ -41,12 +41,13 @@ from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
 from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
-from megatron_lite.memory import PeakMemory
-from megatron_lite.metrics import MetricsLogger, git_commit, peak_flops, step_flops
+from megatron_lite.metrics.flops import peak_flops, step_flops
+from megatron_lite.metrics.logger import MetricsLogger, git_commit
+from megatron_lite.metrics.memory import PeakMemory
+from megatron_lite.metrics.profiling import StepProfiler
 from megatron_lite.model.build import build_model, zero3_partitioner
 from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
-from megatron_lite.profiling import StepProfiler
 from megatron_lite.validation import notes
 
 DISK_FULL_BYTES = 64 << 20  # below this much free space a failed checkpoint write is put down to a full disk

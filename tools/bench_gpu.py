@@ -19,7 +19,7 @@ In one run, on the first CUDA device, with nothing fetched from the network:
      autocast, fused AdamW), torch.compile'd: the loop users compare with;
    - ours-compile-global16 and compiled-global16: the same, 16 sequences a step (gradients accumulated over
      micro-batches of the shape above, one optimizer step), as a real run's global batch amortizes AdamW;
-   tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics over the datasheet bf16 peak), and the peak
+   tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics.flops over the datasheet bf16 peak), and the peak
    allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included);
 5. `tools/tune_norm_kernels.py`: the norms' launch shapes swept (kernels/row_tiles.py), best against default.
 The run keeps to a wall-clock budget (`--budget-s`, 570 s: a GPU lease runs one command for at most 10 minutes):
@@ -273,7 +273,7 @@ def run_case(
     profile_dir: str | None = None,
     before_timing=lambda: None,
 ) -> dict:
-    from megatron_lite.metrics import model_flops_per_token, peak_flops
+    from megatron_lite.metrics.flops import model_flops_per_token, peak_flops
 
     t_start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -493,7 +493,7 @@ def main(argv=None) -> int:
 
     import triton
 
-    from megatron_lite.metrics import peak_flops
+    from megatron_lite.metrics.flops import peak_flops
 
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out_dir, exist_ok=True)

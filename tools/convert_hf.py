@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.checkpoint.store import LATEST, read_meta  # noqa: E402
 from megatron_lite.checkpoint.weights import load_model_state, save_model_state, step_dir  # noqa: E402
 from megatron_lite.config import ModelConfig, data_paths, override_value, repo_path  # noqa: E402
+from megatron_lite.model.fused_rows import segments_of  # noqa: E402
 from megatron_lite.model.gpt import padded_vocab_size  # noqa: E402
-from megatron_lite.model.layout import segments_of  # noqa: E402
 
 FLAVOURS = ("gpt2", "llama")
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -2,7 +2,7 @@
 
     python tools/plan_validation.py --out bench/results/plan_validation_cpu.md    # about 6 minutes on 2 cores
 
-Every rank builds its model and engine as training.run does, with megatron_lite.memory.LiveTensorBytes active from
+Every rank builds its model and engine as training.run does, with megatron_lite.metrics.memory.LiveTensorBytes active from
 before the model exists, and trains 3 steps; step 3 is measured (steps 1 and 2 allocate what is made lazily):
   states      live bytes at the step boundary, split into the model's parameters (every storage a parameter or a
               ZeRO-3 partition points into), the optimizer's (master weights and states of the optimizer DeepSpeed
@@ -134,7 +134,7 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
     from megatron_lite.engine.ds_config import deepspeed_config
-    from megatron_lite.memory import LiveTensorBytes
+    from megatron_lite.metrics.memory import LiveTensorBytes
     from megatron_lite.model.build import build_model, zero3_partitioner
     from megatron_lite.parallel.context import ParallelContext
 

@@ -34,7 +34,7 @@ from megatron_lite.engine.repairs import (
     zero_offload_accumulators,
 )
 from megatron_lite.layout import Layout
-from megatron_lite.model.layout import universal_split_patterns
+from megatron_lite.model.fused_rows import universal_split_patterns
 from megatron_lite.model.tied import needs_tie
 from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.context import ParallelContext

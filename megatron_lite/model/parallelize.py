@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megatron_lite.kernels import ops
+from megatron_lite.model.fused_rows import fused_segments
 from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
-from megatron_lite.model.layout import fused_segments
 from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_lite.config import ClusterConfig, Config, ModelConfig
-from megatron_lite.metrics import step_flops
+from megatron_lite.metrics.flops import step_flops
 from megatron_lite.pipeline.schedules import v_shaped
 from megatron_lite.plan.hardware import DGX_GPUS, Cluster, gpu_named
 from megatron_lite.plan.layout import Layout
@@ -34,7 +34,7 @@ class Prediction:
     usable_bytes: int
     step: StepTime
     tokens_per_s: float
-    tflops_per_gpu: float  # model FLOPs (metrics.py's count) per second per GPU
+    tflops_per_gpu: float  # model FLOPs (metrics/flops.py's count) per second per GPU
     mfu: float
 
     @property
@@ -105,7 +105,7 @@ def predict(
     tokens = layout.global_batch_size * model.seq_len
     flops, _ = step_flops(model, tokens, layout.recompute, layout.recompute_every)
     seconds = step.total_s
-    peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops  # as metrics.peak_flops
+    peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops  # as metrics/flops.peak_flops
     per_gpu = flops / seconds / layout.world_size
     return Prediction(
         layout=layout,

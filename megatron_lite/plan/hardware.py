@@ -43,7 +43,7 @@ class GPU:
     nvlink_GBps: float  # NVLink bandwidth per direction per GPU, GB/s
     node_net_GBps: float  # the node's inter-node network, all NICs together, GB/s
     fp32_flops: float  # plain fp32 (CUDA-core) peak, FLOP/s: what fp32 matmuls get, since the trainer leaves
-    # TF32 off (torch's default); metrics.PEAK_TABLE's "fp32" column
+    # TF32 off (torch's default); metrics/flops.PEAK_TABLE's "fp32" column
 
 
 GPUS: dict[str, GPU] = {
@@ -54,7 +54,7 @@ GPUS: dict[str, GPU] = {
         GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12),
         GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12),  # "141 GB" sold; the driver reports 143,771 MiB
         GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12),  # "180 GB" sold; the driver reports 183,359 MiB;
-        # fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's Blackwell datasheet (not in metrics.PEAK_TABLE: probed there)
+        # fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's Blackwell datasheet (not in flops.PEAK_TABLE: probed there)
     )
 }
 

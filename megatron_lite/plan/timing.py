@@ -2,8 +2,8 @@
 
 Assumptions, each a choice a reader can disagree with:
   - GEMMs and the attention core run at `cluster.achievable` of the bf16 dense peak (fp32: of the plain fp32
-    CUDA-core peak, since the trainer leaves TF32 off, torch's default). FLOPs are those of metrics.py (causal attention at half, as flash attention skips masked blocks);
-    recomputation adds what it reruns (metrics.recompute_flops_per_token's rule).
+    CUDA-core peak, since the trainer leaves TF32 off, torch's default). FLOPs are those of metrics/flops.py (causal attention at half, as flash attention skips masked blocks);
+    recomputation adds what it reruns (metrics/flops.recompute_flops_per_token's rule).
   - Element-wise work (norms, residual adds with dropout, GeLU/SwiGLU, RoPE, the cross entropy over the
     logits) is bound by HBM bandwidth: each pass reads and writes its tensors once; a backward pass moves twice
     the forward's bytes. Without SP the residual-stream work is repeated on every TP rank; with SP it is split.
@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.metrics import layer_flops_per_token
+from megatron_lite.metrics.flops import layer_flops_per_token
 from megatron_lite.pipeline.partition import stage_layers, virtual_stage
 from megatron_lite.pipeline.schedules import build_schedule, v_shaped
 from megatron_lite.pipeline.simulate import expected_bubble, simulate

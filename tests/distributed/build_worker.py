@@ -19,8 +19,8 @@ from megatron_lite.config import Config, ModelConfig, ParallelConfig, ZeroConfig
 from megatron_lite.engine import Engine
 from megatron_lite.engine.ds_config import deepspeed_config
 from megatron_lite.model.build import build_model, zero3_partitioner
+from megatron_lite.model.fused_rows import segments_of
 from megatron_lite.model.gpt import GPT
-from megatron_lite.model.layout import segments_of
 from megatron_lite.model.parallelize import parallelize
 from megatron_lite.parallel.context import ParallelContext, init_distributed
 from megatron_lite.pipeline.partition import rank_chunks

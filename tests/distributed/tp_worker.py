@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model import layout
+from megatron_lite.model import fused_rows
 from megatron_lite.model.gpt import GPT
 from megatron_lite.model.parallelize import parallelize
 from megatron_lite.parallel.layers import shard_segments
@@ -64,7 +64,7 @@ def worst_over_ranks(worst: dict[str, float]) -> dict[str, float]:
 
 
 def segments_of(name: str, cfg: ModelConfig, full: torch.Tensor, dim: int) -> list[int]:
-    return layout.segments_of(name, cfg) or [full.shape[dim]]
+    return fused_rows.segments_of(name, cfg) or [full.shape[dim]]
 
 
 def compare(flavour: str, sp: bool, worst: dict, backend: str) -> None:

@@ -10,17 +10,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_lite import metrics
 from megatron_lite.config import ModelConfig
-from megatron_lite.metrics import (
-    MetricsLogger,
+from megatron_lite.metrics import flops
+from megatron_lite.metrics.flops import (
     layer_flops_per_token,
     model_flops_per_token,
     peak_flops,
     recompute_flops_per_token,
-    resolve_wandb_mode,
     step_flops,
 )
+from megatron_lite.metrics.logger import MetricsLogger, resolve_wandb_mode
 from megatron_lite.model.gpt import GPT, padded_vocab_size
 from tests.utils.wandb_reader import read_wandb_history
 
@@ -135,7 +134,7 @@ def test_gpt2_124m_flops_per_token_matches_the_usual_estimate():
 )
 def test_peak_table_by_device_name(monkeypatch, gpu, dtype, tf32, peak, part):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
-    monkeypatch.setattr(metrics, "_cuda_tf32_allowed", lambda: tf32)
+    monkeypatch.setattr(flops, "_cuda_tf32_allowed", lambda: tf32)
     value, source = peak_flops(torch.device("cuda"), dtype)
     assert value == peak and part in source and gpu in source
 
@@ -157,8 +156,8 @@ def test_probe_stops_at_its_budget(monkeypatch, call_s, calls):
         time.sleep(call_s)
 
     monkeypatch.setattr(torch, "mm", matmul)
-    flops = metrics._probe_flops.__wrapped__(torch.device("cpu"), torch.float32, 4, 5, 0.02)
-    assert len(made) == calls and flops > 0
+    probed = flops._probe_flops.__wrapped__(torch.device("cpu"), torch.float32, 4, 5, 0.02)
+    assert len(made) == calls and probed > 0
 
 
 @pytest.fixture
@@ -268,7 +267,7 @@ def test_auto_wandb_mode(tmp_path, monkeypatch):
 
 
 def test_status_line_shows_the_pipeline_bubble_only_with_a_pipeline():
-    from megatron_lite.metrics import _status_line
+    from megatron_lite.metrics.logger import _status_line
 
     record = {"loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.5}
     assert "bubble" not in _status_line(3, 10, record)

@@ -188,7 +188,7 @@ def test_check_refuses_a_bad_world_size_in_one_line():
 
 def test_fp32_is_priced_at_the_fp32_peak_the_trainer_runs_at():
     """The trainer leaves TF32 off (torch's default), so fp32 matmuls run at the CUDA-core peak, 19.5 TFLOP/s on an
-    A100, and its MFU is taken against that (metrics.peak_flops). The planner priced fp32 at half the bf16 peak
+    A100, and its MFU is taken against that (metrics/flops.peak_flops). The planner priced fp32 at half the bf16 peak
     (the TF32 rate): gpt-1.3b at 16 x 2048 tokens in 3.0 s a step, where 2.8e14 FLOPs need 14 s at 100% of the
     fp32 peak (found from outside)."""
     cfg = load(
