@@ -1,7 +1,7 @@
 """The configuration schema: Hydra structured configs, one dataclass per group.
 
 YAML files under `configs/` hold presets only (model shapes); every key a user can override is a field
-here, with its meaning in the docstring line beneath it. megatron_lite/validation.py checks a composed config.
+here, with its meaning in the docstring line beneath it. megatron_lite/validation/ checks a composed config.
 
 Left out on purpose: expert parallelism (no config keys until it exists).
 """

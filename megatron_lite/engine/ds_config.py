@@ -1,5 +1,5 @@
 """Our config -> DeepSpeed's: the JSON config and the optimizer's parameter groups (the checks of a config that
-DeepSpeed decides, such as NVMe offload's async-io op, are in validation.py).
+DeepSpeed decides, such as NVMe offload's async-io op, are in validation/zero.py).
 
 DeepSpeed runs with one accumulation step and unmanaged accumulation: the pipeline executor runs all m
 micro-batches (the loss carries 1/m) and calls step() once (engine.py).

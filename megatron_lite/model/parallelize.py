@@ -13,7 +13,7 @@ makes meta shards, which materialisation then fills:
              split over TP) get this rank's tp_rank into their mask keys; replicated activations leave it
              out, so every TP rank draws their masks alike (parallel/random.py)
 
-KV heads are split, never replicated: parallel.tp must divide model.n_kv_heads (validated in validation.py).
+KV heads are split, never replicated: parallel.tp must divide model.n_kv_heads (validated in validation/parallel.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ log-sum-exp):
 
 Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the sequence shards of every head into
 all of the sequence for cp-th of the heads; attention runs as the block's own SDPA (flash attention on a GPU);
-a second all-to-all turns it back. It needs cp to divide the local query and K/V head counts (validation.py).
+a second all-to-all turns it back. It needs cp to divide the local query and K/V head counts (validation/parallel.py).
 
 Trade-off: Ulysses moves 4 activations of s·h/cp elements per rank per layer in all-to-alls whose volume
 does not grow with cp, and uses SDPA (flash attention on a GPU); ring moves K/V (2·s·h_kv/cp per step, cp-1

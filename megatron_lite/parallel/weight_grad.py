@@ -38,7 +38,7 @@ keep the logits' gradient (b x s x vocab, larger whenever b*s > h) for every mic
 
 Left out on purpose: deferring inside torch.compile'd graphs (the split path is excluded from compilation, so
 under train.compile the linears and embeddings run eagerly between compiled regions); ZeRO-3 (a partitioned
-parameter cannot take a gradient after its module's backward has released it; refused in validation.py).
+parameter cannot take a gradient after its module's backward has released it; refused in validation/).
 """
 
 from __future__ import annotations

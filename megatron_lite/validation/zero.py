@@ -1,0 +1,52 @@
+"""zero.*: the ZeRO stage, offload and its NVMe directory, and whether this machine can offload to NVMe."""
+
+from __future__ import annotations
+
+from megatron_lite.config import Config, ZeroConfig
+from megatron_lite.errors import ConfigError
+from megatron_lite.validation.rules import choice, fail, writable
+
+
+def check_zero(z: ZeroConfig) -> None:
+    choice("zero.stage", z.stage, (0, 1, 2, 3))
+    choice("zero.offload_optimizer", z.offload_optimizer, ("none", "cpu", "nvme"))
+    choice("zero.offload_param", z.offload_param, ("none", "cpu", "nvme"))
+    if z.offload_optimizer != "none" and z.stage == 0:
+        fail("zero.offload_optimizer", z.offload_optimizer, "needs zero.stage >= 1", "set zero.stage=1, 2 or 3")
+    if z.offload_param != "none" and z.stage != 3:
+        fail(
+            "zero.offload_param",
+            z.offload_param,
+            f"needs zero.stage=3 (got {z.stage})",
+            "set zero.stage=3 or zero.offload_param=none",
+        )
+    if z.offload_optimizer == "nvme" and z.stage != 3:  # DeepSpeed's ZeRO-1/2 take any device as CPU, silently
+        fail(
+            "zero.offload_optimizer",
+            "nvme",
+            f"needs zero.stage=3 (got {z.stage}: DeepSpeed's ZeRO-1 and -2 offload the optimizer to CPU memory only)",
+            "set zero.stage=3, or zero.offload_optimizer=cpu",
+        )
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        if not z.nvme_path:
+            fail(
+                "zero.nvme_path",
+                repr(z.nvme_path),
+                "is empty (the swap files would go to the working directory)",
+                "give the NVMe directory, e.g. zero.nvme_path=/local_nvme/swap",
+            )
+        writable("zero.nvme_path", z.nvme_path)
+
+
+def check_offload_support(cfg: Config) -> None:
+    """NVMe offload needs DeepSpeed's async-io op; say so before any process group starts."""
+    z = cfg.zero
+    if "nvme" in (z.offload_optimizer, z.offload_param):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            key = "zero.offload_optimizer" if z.offload_optimizer == "nvme" else "zero.offload_param"
+            raise ConfigError(
+                f"{key}=nvme needs DeepSpeed's async_io op, which cannot build here (libaio missing); "
+                "install libaio-dev (apt) or use cpu offload"
+            )
