@@ -1,6 +1,8 @@
 """A run's layout as one frozen value: how its ranks split the work (dp, tp, cp, pp, vpp and the layers of
-each virtual stage), the ZeRO stage and the precision its states are held in, and the batch split into
-micro-batches. Built from a config and the ranks (`Layout.of_run`) or read back from a checkpoint's meta.json
+each virtual stage), the pipeline schedule, the ZeRO stage and the precision its states are held in, and the
+batch split into micro-batches. Built once per run from a config and the ranks (`Layout.of_run`, which resolves
+train.precision and parallel.schedule; the model build, the Engine and the checkpoint loaders take it from there,
+none of them derives it again) or read back from a checkpoint's meta.json
 (`Layout.of_checkpoint`, older checkpoints' missing keys taking the values they had then), it answers the
 questions a resume asks: is this the layout the checkpoint was written with (then every rank continues its
 own RNG streams), and does loading need DeepSpeed's universal conversion (another number of ZeRO partitions,
@@ -11,8 +13,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from megatron_lite.pipeline.partition import layers_per_stage
 from megatron_lite.pipeline.schedules import resolve_schedule, v_shaped
+
+
+def resolve_precision(precision: str) -> str:
+    """train.precision as a run has it: `auto` is bf16 where CUDA is, fp32 elsewhere."""
+    if precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "fp32"
+    return precision
 
 
 @dataclass(frozen=True)
@@ -30,11 +41,14 @@ class Layout:
     v_shape: bool = False  # the virtual stages sit in a V (parallel.schedule=zbv), not in loops (partition.py)
     global_batch_size: int = 0
     micro_batch_size: int = 0
+    schedule: str | None = None  # as resolved: gpipe, 1f1b, interleaved, zb_h1 or zbv (None: an older checkpoint)
 
     @classmethod
-    def of_run(cls, cfg, world_size: int, precision: str | None = None) -> Layout:
-        """This job's layout: cfg's parallel/zero/train keys on world_size ranks (precision as resolved)."""
+    def of_run(cls, cfg, world_size: int) -> Layout:
+        """This job's layout: cfg's parallel/zero/train keys on world_size ranks, its precision and pipeline
+        schedule resolved (train.precision=auto, parallel.schedule=auto)."""
         p, t = cfg.parallel, cfg.train
+        schedule = resolve_schedule(p.schedule, p.vpp)
         return cls(
             world_size=world_size,
             dp=world_size // (p.tp * p.cp * p.pp),
@@ -44,11 +58,12 @@ class Layout:
             pp=p.pp,
             vpp=p.vpp,
             zero_stage=cfg.zero.stage,
-            precision=precision,
+            precision=resolve_precision(t.precision),
             layers_per_stage=tuple(layers_per_stage(cfg.model.n_layers, p.pp, p.vpp, p.pp_layers)),
-            v_shape=v_shaped(resolve_schedule(p.schedule, p.vpp)),
+            v_shape=v_shaped(schedule),
             global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size,
+            schedule=schedule,
         )
 
     @classmethod
@@ -69,6 +84,7 @@ class Layout:
             v_shape=saved.get("v_shape", False),
             global_batch_size=train.get("global_batch_size", 0),
             micro_batch_size=train.get("micro_batch_size", 0),
+            schedule=saved.get("schedule"),
         )
 
     def to_meta(self) -> dict:

@@ -33,8 +33,9 @@ from megatron_lite.config import Config, data_paths
 from megatron_lite.data.sampler import MicroBatches, open_streams, val_batches
 from megatron_lite.engine import Engine, StepOutcome
 from megatron_lite.engine.build_locks import clear_stale_build_locks
-from megatron_lite.engine.ds_config import deepspeed_config, resolve_precision
-from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, restore_functional_linear
+from megatron_lite.engine.ds_config import deepspeed_config
+from megatron_lite.engine.repairs import restore_functional_linear
+from megatron_lite.engine.zero_init import zero3_partitioner
 from megatron_lite.errors import RunError
 from megatron_lite.faults import stalls, stop
 from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
@@ -45,7 +46,7 @@ from megatron_lite.metrics.flops import peak_flops, step_flops
 from megatron_lite.metrics.logger import MetricsLogger, git_commit
 from megatron_lite.metrics.memory import PeakMemory
 from megatron_lite.metrics.profiling import StepProfiler
-from megatron_lite.model.build import build_model, zero3_partitioner
+from megatron_lite.model.build import build_model
 from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.validation import notes
@@ -233,8 +234,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
         seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
-        self.precision = resolve_precision(cfg)
-        self.layout = Layout.of_run(cfg, ctx.world_size, self.precision)
+        self.layout = Layout.of_run(cfg, ctx.world_size)
         resume_path = checkpoint_resume.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
         meta = checkpoint_store.read_meta(resume_path) if resume_path else None
         self.engine = self._build_engine(resume_path, meta)
@@ -256,7 +256,7 @@ class Trainer:
             log_interval=cfg.train.log_interval,
             start_step=self.start_step,
         )
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if self.layout.precision == "bf16" else torch.float32
         self.peak, peak_source = peak_flops(ctx.device, dtype)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.model_flops, self.hw_flops = step_flops(
@@ -279,7 +279,7 @@ class Trainer:
                     "pp": ctx.pp_size,
                     "cp": ctx.cp_size,
                     "accumulation": self.engine.accum,
-                    "precision": self.precision,
+                    "precision": self.layout.precision,
                     "peak_flops_per_device": self.peak,
                     "peak_source": peak_source,
                     "device": _device_name(ctx.device),
@@ -302,19 +302,18 @@ class Trainer:
                 name: with_vocab_rows(name, tensor, rows)
                 for name, tensor in checkpoint_weights.load_model_state(resume_path, verify=False)[1].items()
             }
+        ds_config = deepspeed_config(cfg, self.layout)
         partition, build_dtype = None, torch.float32
         if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
-            if cfg.zero.offload_param == "nvme":
-                honour_explicit_zero3_dtype()
-            partition, build_dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size), ctx)
+            partition, build_dtype = zero3_partitioner(ds_config, ctx)
         # Only this rank's chunks and TP shards are ever allocated; their values are the tp=1, pp=1 model's.
-        model = build_model(cfg, ctx, weights=weights, dtype=build_dtype, partition=partition)
+        model = build_model(cfg, ctx, self.layout, weights=weights, dtype=build_dtype, partition=partition)
         del weights
         model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
         if cfg.train.compile:
             model.compile_blocks()
-        return Engine(cfg, model, ctx, layout=self.layout)
+        return Engine(cfg, model, ctx, self.layout, ds_config)
 
     def _resume(self, resume_path: str | None, meta: dict | None) -> dict | None:
         """Load a DeepSpeed checkpoint into the engine and return the meta of what was loaded (a weights-only

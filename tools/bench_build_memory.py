@@ -86,16 +86,19 @@ def old_route(cfg, ctx):
 
 def build(route: str, cfg, ctx):
     from megatron_lite.engine.ds_config import deepspeed_config
-    from megatron_lite.model.build import build_model, zero3_partitioner
+    from megatron_lite.engine.zero_init import zero3_partitioner
+    from megatron_lite.layout import Layout
+    from megatron_lite.model.build import build_model
 
+    layout = Layout.of_run(cfg, ctx.world_size)
     if route == "old":
         return old_route(cfg, ctx)
     if route == "meta":
-        return build_model(cfg, ctx)
+        return build_model(cfg, ctx, layout)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    ds_config = deepspeed_config(cfg, ctx.dp_size)
+    ds_config = deepspeed_config(cfg, layout)
     if route == "zero3-old":  # what DeepSpeed's ZeRO-3 setup does with the model it is handed
         model = old_route(cfg, ctx)
         deepspeed.init_distributed(
@@ -110,7 +113,7 @@ def build(route: str, cfg, ctx):
         )
         return model
     partition, dtype = zero3_partitioner(ds_config, ctx)
-    return build_model(cfg, ctx, dtype=dtype, partition=partition)
+    return build_model(cfg, ctx, layout, dtype=dtype, partition=partition)
 
 
 def held_bytes(model) -> int:
@@ -243,7 +246,7 @@ def report(results: dict[str, list[dict]]) -> str:
         "initialises the whole fp32 model, then keep_chunks and parallelize; under ZeRO-3, deepspeed.zero.Init "
         "partitions the built model, as the engine does). *meta build* = model/build.py (meta device, cut, "
         "shard, then one full tensor at a time, sliced). *partitioned as built* = the same with "
-        "build.zero3_partitioner (each parameter partitioned over DP as soon as it exists). TP/PP ranks build "
+        "zero_init.zero3_partitioner (each parameter partitioned over DP as soon as it exists). TP/PP ranks build "
         "in turn; ZeRO-3 ranks together.",
     ]
     return "\n".join(lines)

@@ -108,7 +108,8 @@ def main(argv=None) -> dict:
         ap.error(str(err))
     init_distributed()
     ctx = ParallelContext.build()
-    engine = Engine(cfg, build_model(cfg, ctx), ctx)
+    layout = Layout.of_run(cfg, ctx.world_size)
+    engine = Engine(cfg, build_model(cfg, ctx, layout), ctx, layout)
     batch = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1), device=ctx.device)
     engine.train_step([batch], cfg.optim.lr, 1)  # the AdamW moments exist from here on
     meta = {

@@ -173,6 +173,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     from megatron_lite.cli import compose_config
     from megatron_lite.engine import Engine
     from megatron_lite.kernels import resolve_backend
+    from megatron_lite.layout import Layout
     from megatron_lite.model.build import build_model
     from megatron_lite.parallel.context import ParallelContext, init_distributed
 
@@ -180,11 +181,12 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     cfg = OmegaConf.to_object(compose_config(overrides))
     init_distributed()
     ctx = ParallelContext.build()
-    model = build_model(cfg, ctx)
+    layout = Layout.of_run(cfg, ctx.world_size)
+    model = build_model(cfg, ctx, layout)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     if cfg.train.compile:
         model.compile_blocks()
-    engine = Engine(cfg, model, ctx)
+    engine = Engine(cfg, model, ctx, layout)
     if recast:
         engine._weight_copies = contextlib.nullcontext
     t = cfg.train

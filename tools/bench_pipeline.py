@@ -335,6 +335,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
     from megatron_lite.kernels import resolve_backend
+    from megatron_lite.layout import Layout
     from megatron_lite.model.gpt import GPT
     from megatron_lite.model.parallelize import parallelize
     from megatron_lite.model.tied import tie_across_stages
@@ -361,7 +362,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     tie_across_stages(model, ctx.embed_group, ctx.pp_rank, ctx.pp_size)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     n_params = sum(p.numel() for p in model.parameters())
-    engine = Engine(cfg, model, ctx)
+    engine = Engine(cfg, model, ctx, Layout.of_run(cfg, ctx.world_size))
     plain_step = engine.ds_engine.step
 
     def step(*args, **kwargs):  # everything the optimizer step sends is filed under "step"

@@ -134,8 +134,10 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
     from megatron_lite.engine.ds_config import deepspeed_config
+    from megatron_lite.engine.zero_init import zero3_partitioner
+    from megatron_lite.layout import Layout
     from megatron_lite.metrics.memory import LiveTensorBytes
-    from megatron_lite.model.build import build_model, zero3_partitioner
+    from megatron_lite.model.build import build_model
     from megatron_lite.parallel.context import ParallelContext
 
     cfg = load(overrides)
@@ -143,14 +145,15 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
     if (p.tp, p.pp, p.cp) not in contexts:
         contexts[(p.tp, p.pp, p.cp)] = ParallelContext.build(p.tp, p.pp, p.cp)
     ctx = contexts[(p.tp, p.pp, p.cp)]
+    layout = Layout.of_run(cfg, ctx.world_size)
     tracker = LiveTensorBytes()
     with tracker:
         partition, dtype = None, torch.float32
         if cfg.zero.stage == 3:
-            partition, dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size), ctx)
-        model = build_model(cfg, ctx, dtype=dtype, partition=partition)
+            partition, dtype = zero3_partitioner(deepspeed_config(cfg, layout), ctx)
+        model = build_model(cfg, ctx, layout, dtype=dtype, partition=partition)
         model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
-        engine = Engine(cfg, model, ctx)
+        engine = Engine(cfg, model, ctx, layout)
         stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
         batches = MicroBatches(
             stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size
@@ -238,7 +241,7 @@ def compare(result: dict, nproc: int) -> list[dict]:
     """Predicted vs measured per pipeline stage (the worst measured rank of each stage; the planner prices the
     worst too: DeepSpeed's padding and ZeRO-2's overlapping parameters make dp ranks differ slightly)."""
     from megatron_lite.cli import load
-    from megatron_lite.engine.ds_config import resolve_precision
+    from megatron_lite.layout import resolve_precision
     from megatron_lite.plan.layout import Layout
     from megatron_lite.plan.memory import rank_memory
 
@@ -248,7 +251,7 @@ def compare(result: dict, nproc: int) -> list[dict]:
     for stage in sorted({r["pp_rank"] for r in result["ranks"]}):
         measured = [r for r in result["ranks"] if r["pp_rank"] == stage]
         worst = {key: max(r[key] for r in measured) for key in ("params", "optimizer", "rest", "activations", "peak")}
-        pred = rank_memory(cfg.model, lay, stage, resolve_precision(cfg), cuda=False)
+        pred = rank_memory(cfg.model, lay, stage, resolve_precision(cfg.train.precision), cuda=False)
         predicted = {
             "params": pred.params + pred.host_params,
             "optimizer": pred.optimizer + pred.host_optimizer,

@@ -13,12 +13,7 @@ import zlib
 import torch
 
 from megatron_lite.config import Config
-
-
-def resolve_precision(cfg: Config) -> str:
-    if cfg.train.precision == "auto":
-        return "bf16" if torch.cuda.is_available() else "fp32"
-    return cfg.train.precision
+from megatron_lite.layout import Layout
 
 
 def holds_bf16(precision: str, zero_stage: int) -> bool:
@@ -46,11 +41,13 @@ def _offload(device: str, nvme_path: str, pin: bool) -> dict:
     return out
 
 
-def deepspeed_config(cfg: Config, dp_size: int) -> dict:
-    """Translate our config into DeepSpeed's JSON config. (A checkpoint of another layout loads through our own
-    loaders of the universal form, checkpoint/loaders.py, not DeepSpeed's `load_universal`.)"""
+def deepspeed_config(cfg: Config, layout: Layout) -> dict:
+    """Translate our config, at the run's layout (its dp size and resolved precision), into DeepSpeed's JSON
+    config. (A checkpoint of another layout loads through our own loaders of the universal form,
+    checkpoint/loaders.py, not DeepSpeed's `load_universal`.)"""
     t, z, o = cfg.train, cfg.zero, cfg.optim
-    bf16_params = holds_bf16(resolve_precision(cfg), z.stage)
+    dp_size = layout.dp
+    bf16_params = holds_bf16(layout.precision, z.stage)
     offload_opt = z.offload_optimizer != "none"
     zero: dict = {"stage": z.stage}
     if z.stage > 0:

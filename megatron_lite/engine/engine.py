@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.engine.ds_config import deepspeed_config, param_groups, resolve_precision, swap_dir
+from megatron_lite.engine.ds_config import deepspeed_config, param_groups, swap_dir
 from megatron_lite.engine.repairs import (
     forget_run_in_deepspeed_globals,
     honour_explicit_zero3_dtype,
@@ -40,7 +40,7 @@ from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.context import ParallelContext
 from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import stage_owner
-from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, resolve_schedule
+from megatron_lite.pipeline.schedules import SPLIT_BACKWARD
 
 
 @dataclass
@@ -53,16 +53,18 @@ class StepOutcome:
 class Engine:
     """One model replica's DeepSpeed engine plus the pipeline executor that runs its micro-batches."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext, layout: Layout | None = None):
-        """layout: the run's Layout (training builds it once); from cfg and the world size when not given."""
+    def __init__(
+        self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext, layout: Layout, ds_config: dict | None = None
+    ):
+        """layout: the run's Layout, built once (its precision and schedule resolved). ds_config: the DeepSpeed
+        config a ZeRO-3 model was partitioned with as it was built (engine/zero_init.py), else made here."""
         import deepspeed
 
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.layout = cfg, ctx, layout
         if cfg.zero.offload_param == "nvme":
             honour_explicit_zero3_dtype()
-        self.ds_config = deepspeed_config(cfg, ctx.dp_size)
+        self.ds_config = ds_config if ds_config is not None else deepspeed_config(cfg, layout)
         t = cfg.train
-        self.layout = layout if layout is not None else Layout.of_run(cfg, ctx.world_size)
         self.accum = self.layout.accumulation  # micro-batches per step on each pipeline
         assert model.tied is not None or not needs_tie(model), "a pipeline's tied embedding: see tie_across_stages"
         # The DeepSpeed engine (optimizer, ZeRO, checkpoints) and the model it wraps (this rank's GPT).
@@ -96,7 +98,7 @@ class Engine:
         forward = self.ds_engine if self._zero_backward else self.model
         if not self._zero_backward:
             self.ds_engine.enable_backward_allreduce = False
-        autocast = resolve_precision(cfg) == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
+        autocast = layout.precision == "bf16" and not self.ds_config["bf16"]["enabled"]  # ZeRO-0 bf16
         self.forward = _bf16_autocast(forward, ctx.device.type) if autocast else forward
         # Under autocast a step casts each weight to bf16 once, for all its micro-batches (weight_grad.py)
         self._weight_copies = weight_grad.one_copy_per_step if autocast else contextlib.nullcontext
@@ -109,7 +111,7 @@ class Engine:
         s_local = s_local // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else s_local
         self.executor = PipelineExecutor(
             model.chunks,
-            resolve_schedule(cfg.parallel.schedule, cfg.parallel.vpp),
+            layout.schedule,
             ctx.pp_size,
             ctx.pp_rank,
             (t.micro_batch_size, s_local, cfg.model.d_model),

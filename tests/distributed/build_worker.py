@@ -18,7 +18,9 @@ import torch.distributed as dist
 from megatron_lite.config import Config, ModelConfig, ParallelConfig, ZeroConfig
 from megatron_lite.engine import Engine
 from megatron_lite.engine.ds_config import deepspeed_config
-from megatron_lite.model.build import build_model, zero3_partitioner
+from megatron_lite.engine.zero_init import zero3_partitioner
+from megatron_lite.layout import Layout
+from megatron_lite.model.build import build_model
 from megatron_lite.model.fused_rows import segments_of
 from megatron_lite.model.gpt import GPT
 from megatron_lite.model.parallelize import parallelize
@@ -97,7 +99,7 @@ def check_tp_case(
 ) -> None:
     cfg = Config(model=model_cfg, parallel=ParallelConfig(tp=2, pp=pp, vpp=vpp, sp=sp), seed=77)
     rank_ctx = dataclasses.replace(ctx, pp_rank=pp_rank, pp_size=pp)
-    built = build_model(cfg, rank_ctx)
+    built = build_model(cfg, rank_ctx, Layout.of_run(cfg, 2 * pp))  # tp 2 x pp
     chunks = rank_chunks(pp_rank, pp, vpp, model_cfg.n_layers)
     old = parallelize(GPT(model_cfg, tp=2, seed=cfg.seed).keep_chunks(chunks), ctx.tp_group, sp)
     if [(n, type(m)) for n, m in built.named_modules()] != [(n, type(m)) for n, m in old.named_modules()]:
@@ -125,10 +127,13 @@ def check_zero3_partitions() -> None:
     for flavour, kw in FLAVOURS.items():
         cfg = Config(model=ModelConfig(**kw), zero=ZeroConfig(stage=3), seed=78)
         # Built first, so that nothing (no engine) has set DeepSpeed up before it.
-        partition, dtype = zero3_partitioner(deepspeed_config(cfg, ctx.dp_size), ctx)
-        built = build_model(cfg, ctx, dtype=dtype, partition=partition)
+        layout = Layout.of_run(cfg, ctx.world_size)
+        partition, dtype = zero3_partitioner(deepspeed_config(cfg, layout), ctx)
+        built = build_model(cfg, ctx, layout, dtype=dtype, partition=partition)
         got = dict(built.named_parameters())
-        engine = Engine(cfg, GPT(cfg.model, seed=cfg.seed), ctx)  # the route before: DeepSpeed splits the whole model
+        engine = Engine(
+            cfg, GPT(cfg.model, seed=cfg.seed), ctx, layout
+        )  # the route before: DeepSpeed splits the whole model
         want = dict(engine.model.named_parameters())
         if list(got) != list(want):
             fail(f"zero3 {flavour}: parameter names differ")

@@ -70,8 +70,10 @@ def test_layout_round_trips_through_meta_and_owns_the_accumulation():
         ],
         world_size=4,
     )
-    here = Layout.of_run(cfg, 4, "fp32")
+    here = Layout.of_run(cfg, 4)
     assert (here.dp, here.pp, here.vpp, here.layers_per_stage, here.accumulation) == (2, 2, 2, (2, 2, 2, 2), 4)
+    # resolved: parallel.schedule and train.precision were auto
+    assert (here.schedule, here.precision) == ("interleaved", "fp32")
     back = Layout.of_checkpoint(
         {"layout": here.to_meta(), "config": {"train": {"global_batch_size": 16, "micro_batch_size": 2}}}
     )
