@@ -8,13 +8,10 @@ nothing (engine.py); too many in a row end the run (NonFiniteError).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import gc
 import os
 import platform
 import random
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -23,12 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite import checkpoint
 from megatron_lite.checkpoint import resume as checkpoint_resume
-from megatron_lite.checkpoint import store as checkpoint_store
-from megatron_lite.checkpoint import weights as checkpoint_weights
-from megatron_lite.checkpoint.loaders import with_vocab_rows
-from megatron_lite.checkpoint.writer import AsyncWriter, checkpoint_group
+from megatron_lite.checkpoint.manager import Checkpointer
 from megatron_lite.config import Config, data_paths
 from megatron_lite.data.sampler import MicroBatches, open_streams, val_batches
 from megatron_lite.engine import Engine, StepOutcome
@@ -50,38 +43,6 @@ from megatron_lite.model.build import build_model
 from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
 from megatron_lite.validation import notes
-
-DISK_FULL_BYTES = 64 << 20  # below this much free space a failed checkpoint write is put down to a full disk
-
-
-@contextlib.contextmanager
-def _said_if_unwritable(root: str, step: int):
-    """A checkpoint write that fails on a full file system (PyTorch's zip writer says only "unexpected pos") or
-    on one remounted read-only while the run lived ends the run with one line naming the directory, the cause and
-    the checkpoint still intact, as a run that cannot go on (exit 3: a restart would fail the same way)."""
-    try:
-        yield
-    except Exception as err:
-        try:
-            free = shutil.disk_usage(root).free
-            read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
-        except OSError:
-            raise err from None
-        cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # a background write's own error
-        code = getattr(cause, "errno", None)
-        if read_only or code == errno.EROFS:
-            why, fix = "is read-only", "make it writable (or copy the checkpoints to a writable checkpoint.dir)"
-        elif free < DISK_FULL_BYTES or code == errno.ENOSPC:
-            why, fix = f"is full ({free >> 20} MiB free)", "free space (or lower checkpoint.keep)"
-        else:
-            raise
-        latest = checkpoint_store.latest_checkpoint(root)
-        raise RunError(
-            f"checkpoint of step {step} could not be written: checkpoint.dir={root} {why} "
-            f"({type(cause).__name__}: {' '.join(str(cause).split())[:120]}); "
-            + (f"the last committed checkpoint, {latest}, is intact" if latest else "none was committed yet")
-            + f": {fix} and resume"
-        ) from err
 
 
 def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
@@ -172,8 +133,7 @@ def _train(cfg: Config) -> dict:
             memory.close()
         # A process that trains again must not keep this run's groups. Only after a run that ended well: after
         # an error the process ends, and shutting down a group whose collective failed can hang on NCCL.
-        if trainer.writer is not None:
-            trainer.writer.close()
+        trainer.checkpoints.close()
         ctx.destroy()
         return summary
     except Exception as err:
@@ -212,7 +172,7 @@ class Trainer:
         self.cfg, self.ctx, self.memory = cfg, ctx, memory
         self.engine: Engine | None = None
         self.logger: MetricsLogger | None = None
-        self.writer: AsyncWriter | None = None  # checkpoint.async_save's background writer
+        self.checkpoints: Checkpointer | None = None
         t = cfg.train
         self.profiler = StepProfiler(t.profile_steps, t.profile_ranks, ctx.rank, cfg.run.dir, ctx.device)
         self.stepped = False  # a training step has started: from here an error is a crash, whatever signal came
@@ -235,10 +195,9 @@ class Trainer:
         stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
         seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
         self.layout = Layout.of_run(cfg, ctx.world_size)
-        resume_path = checkpoint_resume.choose_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, ctx)
-        meta = checkpoint_store.read_meta(resume_path) if resume_path else None
-        self.engine = self._build_engine(resume_path, meta)
-        meta = self._resume(resume_path, meta)
+        self.checkpoints = Checkpointer(cfg, ctx, self.layout)
+        self.engine = self._build_engine()
+        meta = self.checkpoints.load(self.engine)
         self.start_step, consumed = (meta["step"], meta["consumed_samples"]) if meta else (0, 0)
         self.skipped_total = meta.get("skipped_steps", 0) if meta else 0  # non-finite steps so far, resumes included
         wandb_id = _continued_wandb_id(meta, cfg.run.dir)
@@ -269,7 +228,7 @@ class Trainer:
         # Each torchrun agent counts its own restarts: with several nodes, one restarted for a membership change
         # (not counted) and one whose worker failed differ, and rank 0's alone said 0 after a real restart.
         self.restarts = _max_over_ranks(restart_count(), ctx)
-        self._announce(resume_path, meta, dtype, peak_source)
+        self._announce(self.checkpoints.resume_path, meta, dtype, peak_source)
         if ctx.is_rank0:  # (the only logger that writes; the commit takes a git call)
             self.logger.describe(
                 {
@@ -287,21 +246,12 @@ class Trainer:
                     "kernels": describe(resolve_backend(cfg.kernels.backend, ctx.device)),
                 }
             )
-        if cfg.checkpoint.async_save:
-            self.writer = AsyncWriter(
-                ctx.rank, ctx.world_size, cfg.dist.timeout_s, self.logger.print, checkpoint_group(cfg.dist.timeout_s)
-            )
+        self.checkpoints.start(self.logger.print)
 
-    def _build_engine(self, resume_path: str | None, meta: dict | None) -> Engine:
+    def _build_engine(self) -> Engine:
         """This rank's share of the model (from a weights-only checkpoint when resuming one), in its engine."""
         cfg, ctx = self.cfg, self.ctx
-        weights = None
-        if meta is not None and meta["kind"] == "weights":  # (written at tp 1: its vocabulary padding is tp 1's)
-            rows = padded_vocab_size(cfg.model, ctx.tp_size)
-            weights = {
-                name: with_vocab_rows(name, tensor, rows)
-                for name, tensor in checkpoint_weights.load_model_state(resume_path, verify=False)[1].items()
-            }
+        weights = self.checkpoints.imported_weights(padded_vocab_size(cfg.model, ctx.tp_size))
         ds_config = deepspeed_config(cfg, self.layout)
         partition, build_dtype = None, torch.float32
         if cfg.zero.stage == 3:  # parameters are split over DP as they are built, never whole on a rank
@@ -314,13 +264,6 @@ class Trainer:
         if cfg.train.compile:
             model.compile_blocks()
         return Engine(cfg, model, ctx, self.layout, ds_config)
-
-    def _resume(self, resume_path: str | None, meta: dict | None) -> dict | None:
-        """Load a DeepSpeed checkpoint into the engine and return the meta of what was loaded (a weights-only
-        checkpoint was read into the model by the build); None for a fresh run."""
-        if meta is not None and meta["kind"] == "deepspeed":
-            return checkpoint.load(self.engine, self.ctx, resume_path, self.layout, scratch=self.cfg.checkpoint.dir)
-        return meta
 
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -438,18 +381,8 @@ class Trainer:
             interval = cfg.checkpoint.interval
             if not fatal and (stopped or step == cfg.train.steps or (interval and step % interval == 0)):
                 record.update(self.save(step))
-            if self.writer is not None:  # an asynchronous save's write time, on the step it is known
-                last = stopped or fatal or step == cfg.train.steps
-                with _said_if_unwritable(cfg.checkpoint.dir, self.writer.step):  # the save in flight's step
-                    written = self._written(
-                        self.writer.wait(reason="stop signal" if stopped else "end of the run")
-                        if last
-                        else self.writer.finished()
-                    )
-                if written and "ckpt_write_s" in record:  # this step's save waited for the one before: both known
-                    record["ckpt_final_write_s"] = written["ckpt_write_s"]
-                else:
-                    record.update(written)
+            last = stopped or fatal or step == cfg.train.steps
+            self.checkpoints.after_step(record, last, reason="stop signal" if stopped else "end of the run")
             self.logger.log(step, record)
             stalls.note_step(step)
             losses.append(outcome.loss)
@@ -520,49 +453,15 @@ class Trainer:
     # --- checkpoints ---
 
     def save(self, step: int) -> dict:
-        """A checkpoint of this step (rank 0 commits it); with checkpoint.async_save, staged and written in the
-        background. Returns the time the loop was blocked (and, when known, the write time)."""
-        cfg, ctx = self.cfg, self.ctx
-        meta_out = {
-            "config": asdict(cfg),
+        """A checkpoint of this step (checkpoint/manager.py); returns the time it held the loop (and write times)."""
+        meta = {
+            "config": asdict(self.cfg),
             "consumed_samples": self.batches.consumed_samples,
             "wandb_id": self.logger.wandb_id,
             "layout": self.layout.to_meta(),
             "skipped_steps": self.skipped_total,
         }
-        set_collective_timeout(cfg.dist.timeout_s)  # ranks wait for the slowest writer in its barriers
-        t0, out = time.perf_counter(), {}
-        if self.writer is not None:  # the previous save may still be being written: wait (the wait counts as
-            # blocked) and report it; a failure is its step's, not this one's
-            with _said_if_unwritable(cfg.checkpoint.dir, self.writer.step):
-                out = self._written(self.writer.wait(reason=f"checkpoint of step {step}"))
-        with _said_if_unwritable(cfg.checkpoint.dir, step):
-            if self.writer is None:
-                path = checkpoint.save(self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep)
-            else:
-                path = checkpoint.save_async(
-                    self.engine, ctx, cfg.checkpoint.dir, step, meta_out, cfg.checkpoint.keep, self.writer
-                )
-        blocked = time.perf_counter() - t0
-        set_collective_timeout(cfg.dist.step_timeout_s)
-        self.logger.print(
-            f"saved {path} (the loop waited {blocked:.2f} s)"
-            if self.writer is None
-            else f"saving {path} in the background (the loop waited {blocked:.2f} s for staging)"
-        )
-        return {"ckpt_block_s": blocked, **({"ckpt_write_s": blocked} if self.writer is None else out)}
-
-    def _written(self, written: float | None) -> dict:
-        """An asynchronous save's write time, said and logged on the step it is known (a later save's, when
-        that one had to wait for it; on the last step, the last save's)."""
-        if written is None:
-            return {}
-        self.logger.print(
-            f"checkpoint of step {self.writer.step} written"
-            + (" and committed" if self.ctx.is_rank0 else "")
-            + f" in {written:.2f} s in the background"
-        )
-        return {"ckpt_write_s": written}
+        return self.checkpoints.save(self.engine, step, meta)
 
     # --- close ---
 

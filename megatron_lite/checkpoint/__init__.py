@@ -1,5 +1,6 @@
 """Checkpoints, one module per idea:
 
+- manager: the Checkpointer, all the training loop sees (resume choice, loads, saves, a full or read-only dir)
 - sharded: DeepSpeed's sharded save and load, the RNG streams
 - universal: the layout-free form a change of layout, ZeRO stage or precision converts to
 - loaders: ours, of the universal form into ZeRO 0-3, and of an NVMe-swapped optimizer at its own layout

@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from megatron_lite.checkpoint.manager import said_if_unwritable
 from megatron_lite.checkpoint.store import latest_checkpoint, read_meta, step_name
 from megatron_lite.errors import RunError
-from megatron_lite.training import _said_if_unwritable, val_loss_key
+from megatron_lite.training import val_loss_key
 from tests.distributed.common import TEST_VOCAB, overrides, test_corpus, write_prepared
 from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, run_configs
 from tests.utils.wandb_reader import read_wandb_history
@@ -226,10 +227,10 @@ def test_a_checkpoint_dir_turned_read_only_is_said_in_one_line(tmp_path):
             r"read-only \(RuntimeError: Parent directory .*\); none was committed yet: "
             r"make it writable",
         ):
-            with _said_if_unwritable(str(ck), 4):
+            with said_if_unwritable(str(ck), 4):
                 raise RuntimeError("Parent directory /x/step_0000004 does not exist.")  # torch.save's words
         with pytest.raises(ValueError):  # anything else on a writable, roomy file system is not ours to name
-            with _said_if_unwritable(str(tmp_path), 4):
+            with said_if_unwritable(str(tmp_path), 4):
                 raise ValueError("not a storage fault")
     finally:
         subprocess.run(["umount", str(ck)], capture_output=True)
