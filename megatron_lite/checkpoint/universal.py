@@ -5,7 +5,7 @@ When a checkpoint's number of ZeRO partitions (dp x cp), TP size, ZeRO stage, pi
 (bf16 or fp32) differs from the current job's (layout.Layout.needs_conversion), or one of the two swaps its
 optimizer to NVMe and the other does not, rank 0 converts it once into DeepSpeed's universal (layout-free) format
 beside the shards (path/universal): DeepSpeed's converter merges the TP shards by the split patterns the engine
-saved with the checkpoint (model/fused_rows.universal_split_patterns) into one full fp32 tensor per parameter and
+saved with the checkpoint (engine/ds_config.universal_split_patterns) into one full fp32 tensor per parameter and
 state (a ZeRO-0 checkpoint, which has no ZeRO optimizer files, through its merge step alone: _zero0_to_universal;
 an optimizer swapped to NVMe has its swapped states put back from the swap files first: checkpoint/offload.py).
 Every rank then loads that with our loader for its ZeRO stage (checkpoint/loaders.py). The same conversion gives

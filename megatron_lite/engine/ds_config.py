@@ -1,5 +1,6 @@
-"""Our config -> DeepSpeed's: the JSON config and the optimizer's parameter groups (the checks of a config that
-DeepSpeed decides, such as NVMe offload's async-io op, are in validation/zero.py).
+"""Our config -> DeepSpeed's: the JSON config, the optimizer's parameter groups and how the model's parameters are
+split over TP ranks, in the words of DeepSpeed's universal checkpoints; and whether DeepSpeed can offload to NVMe
+here (validation/zero.py refuses the config before any process group when it cannot).
 
 DeepSpeed runs with one accumulation step and unmanaged accumulation: the pipeline executor runs all m
 micro-batches (the loss carries 1/m) and calls step() once (engine.py).
@@ -12,8 +13,9 @@ import zlib
 
 import torch
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ModelConfig
 from megatron_lite.layout import Layout
+from megatron_lite.model.fused_rows import fused_segments
 
 
 def holds_bf16(precision: str, zero_stage: int) -> bool:
@@ -32,6 +34,13 @@ def swap_dir(cfg: Config) -> str:
     runs apart; a restarted run finds its own folder again. Engine.close removes it."""
     run = os.path.realpath(cfg.run.dir)
     return os.path.join(cfg.zero.nvme_path, f"{os.path.basename(run)}-{zlib.crc32(run.encode()):08x}")
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async I/O op, which NVMe offload needs, can build here (libaio is installed)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
 def _offload(device: str, nvme_path: str, pin: bool) -> dict:
@@ -122,3 +131,48 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.requires_grad and is_matrix(p)]
     no_decay = [p for p in model.parameters() if p.requires_grad and not is_matrix(p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def universal_split_patterns(model_cfg: ModelConfig, tp: int) -> dict:
+    """How each tensor-parallel parameter was split, in DeepSpeed's universal-checkpoint vocabulary, so that
+    its converter can merge TP shards and its loader can cut them for another tp (see parallel/layers.py).
+    Recorded at tp=1 too: the loader cuts a tensor for a larger tp by what the conversion wrote beside it, and a
+    tensor converted without its pattern is cut along dim 0 as one block (fused QKV, row-parallel, vocabulary
+    all wrong, silently)."""
+    from dataclasses import asdict
+
+    from deepspeed.checkpoint.constants import (
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        PARAMETER_WITH_SUB_PARAMS,
+        SUB_PARAM_SHARD_WIDTHS,
+        TP_REPLICATED_PARAMETER_PATTERNS,
+        VOCABULARY_PARAMETER_PATTERNS,
+    )
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+
+    h = model_cfg.d_model
+    # Fused tensors with more than one segment (GeLU's fc_in is one segment: a plain column split).
+    segments = {
+        r"blocks\.\d+\." + module.replace(".", r"\."): tuple(sizes)
+        for module, sizes in fused_segments(model_cfg).items()
+        if len(sizes) > 1
+    }
+    sub_params, widths = [], {}
+    for prefix, sizes in segments.items():
+        for kind in ("weight", "bias") if model_cfg.bias else ("weight",):
+            shape = (sizes, h) if kind == "weight" else (sizes,)
+            pattern = prefix + r"\." + kind
+            sub_params.append(asdict(SubparamShape(patterns=[pattern], shape=shape, partition_dim=0)))
+            widths[pattern] = [[size // tp] * tp for size in sizes]
+    # DeepSpeed's converter refuses patterns that match nothing, so list only what this model has.
+    replicated = [r".*norm.*"]
+    replicated += [r"wpe\.weight"] if model_cfg.position == "learned" else []
+    replicated += [r".*attn\.proj\.bias", r".*mlp\.fc_out\.bias"] if model_cfg.bias else []
+    return {
+        TP_REPLICATED_PARAMETER_PATTERNS: replicated,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [r".*attn\.proj\.weight", r".*mlp\.fc_out\.weight"],
+        VOCABULARY_PARAMETER_PATTERNS: [r"wte\.weight"] + ([] if model_cfg.tie_embeddings else [r"lm_head\.weight"]),
+        "original_vocab_size": model_cfg.vocab_size,  # padded rows are dropped and re-padded with zeros
+        PARAMETER_WITH_SUB_PARAMS: sub_params,
+        SUB_PARAM_SHARD_WIDTHS: widths,
+    }

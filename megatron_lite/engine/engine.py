@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.engine.ds_config import deepspeed_config, param_groups, swap_dir
+from megatron_lite.engine.ds_config import deepspeed_config, param_groups, swap_dir, universal_split_patterns
 from megatron_lite.engine.repairs import (
     forget_run_in_deepspeed_globals,
     honour_explicit_zero3_dtype,
@@ -34,7 +34,6 @@ from megatron_lite.engine.repairs import (
     zero_offload_accumulators,
 )
 from megatron_lite.layout import Layout
-from megatron_lite.model.fused_rows import universal_split_patterns
 from megatron_lite.model.tied import needs_tie
 from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.context import ParallelContext

@@ -42,9 +42,9 @@ def check_offload_support(cfg: Config) -> None:
     """NVMe offload needs DeepSpeed's async-io op; say so before any process group starts."""
     z = cfg.zero
     if "nvme" in (z.offload_optimizer, z.offload_param):
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from megatron_lite.engine.ds_config import async_io_available
 
-        if not AsyncIOBuilder().is_compatible(verbose=False):
+        if not async_io_available():
             key = "zero.offload_optimizer" if z.offload_optimizer == "nvme" else "zero.offload_param"
             raise ConfigError(
                 f"{key}=nvme needs DeepSpeed's async_io op, which cannot build here (libaio missing); "

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from megatron_lite.engine.ds_config import async_io_available  # noqa: F401  (the tests' skip condition)
 from tests.distributed.launcher import ROOT, SCRATCH
 
 # 8 sequences per step: accumulation 4 at dp=1, 2 at dp=2, 1 at dp=4 (same global batch every time).
@@ -38,13 +39,6 @@ REAL_CORPUS = ["data.path=data/shakespeare-8k", "model.vocab_size=8192"]
 
 def overrides(tmp_path, name: str, *extra: str, real_corpus: bool = False) -> list[str]:
     return [*BASE, *(REAL_CORPUS if real_corpus else test_corpus()), f"run.dir={tmp_path}/{name}", *extra]
-
-
-def async_io_available() -> bool:
-    """Whether DeepSpeed's async I/O op (NVMe offload) can build here: libaio is installed."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
 def real_corpus_overrides(tmp_path, name: str, *extra: str) -> list[str]:
