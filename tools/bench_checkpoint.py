@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite import checkpoint  # noqa: E402
-from megatron_lite.checkpoint.store import step_name  # noqa: E402
+from megatron_lite.checkpoint.store import read_meta, step_name  # noqa: E402
 from megatron_lite.checkpoint.writer import AsyncWriter  # noqa: E402
 from megatron_lite.cli import compose_config  # noqa: E402
 from megatron_lite.engine import Engine  # noqa: E402
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     last = os.path.join(root, step_name(2 * args.saves))
     size = state_bytes(last)
     t0 = time.perf_counter()
-    checkpoint.load(engine, ctx, last, Layout.of_run(cfg, ctx.world_size))
+    checkpoint.load(engine, ctx, last, read_meta(last), Layout.of_run(cfg, ctx.world_size))
     load_s = time.perf_counter() - t0
     convert_s, universal_load_s = convert_and_reload(engine, last)
     record = {

@@ -85,7 +85,7 @@ class Checkpointer:
         """Load a DeepSpeed checkpoint into the engine; the meta of what this run continues (a weights-only
         checkpoint's was read into the model by the build; None for a fresh run)."""
         if self.kind == "deepspeed":
-            self.meta = sharded.load(engine, self.ctx, self.resume_path, self.layout, scratch=self.dir)
+            sharded.load(engine, self.ctx, self.resume_path, self.meta, self.layout, scratch=self.dir)
         return self.meta
 
     def start(self, say: Callable[[str], None]) -> None:

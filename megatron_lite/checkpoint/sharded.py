@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint import loaders, offload, store, universal
 from megatron_lite.checkpoint.resume import warn
-from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
+from megatron_lite.checkpoint.store import LATEST, META, atomic_write, step_name
 from megatron_lite.engine.repairs import replay_cpu_adam_beta_powers
 from megatron_lite.layout import Layout
 
@@ -171,10 +171,10 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     return path
 
 
-def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> dict:
-    """Collective: load `path` into the engine of this job's `layout`, restore this rank's RNG streams; return
-    meta. scratch: where a read-only checkpoint's universal form may go (the job's checkpoint.dir)."""
-    meta = read_meta(path)
+def load(engine, ctx, path: str, meta: dict, layout: Layout, scratch: str | None = None) -> None:
+    """Collective: load `path` (whose meta.json the caller has read: `meta`) into the engine of this job's
+    `layout`, and restore this rank's RNG streams. scratch: where a read-only checkpoint's universal form may go
+    (the job's checkpoint.dir)."""
     saved = Layout.of_checkpoint(meta)
     # An optimizer swapped to NVMe on one side only loads through the universal form (DeepSpeed's load looks for
     # swap files the checkpoint lacks, or leaves its swapped states out); on both sides at the same layout, from
@@ -193,4 +193,3 @@ def load(engine, ctx, path: str, layout: Layout, scratch: str | None = None) -> 
     # the layout. Dropout masks follow either way: they are keyed by the step, not drawn from these streams.
     own = os.path.join(path, f"rng_rank{ctx.rank:05d}.pt")
     load_rng(own, meta, layout.same_as(saved) and os.path.isfile(own))
-    return meta
