@@ -116,13 +116,28 @@ def write(torch_version: str) -> None:
     print(f"lock: {len(pins)} packages in {os.path.relpath(LOCK)} (torch {torch_version})")
 
 
-def requirements(name: str) -> list:
-    """The requirements of the installed distribution `name` that apply here (markers evaluated, no extras), as
-    packaging Requirements."""
+def requirements(name: str, extras: tuple[str, ...] = ()) -> list:
+    """The requirements of the installed distribution `name` that apply here (markers evaluated, with `extras`),
+    as packaging Requirements."""
     from packaging.requirements import Requirement
 
     wanted = [Requirement(line) for line in metadata.requires(name) or []]
-    return [req for req in wanted if req.marker is None or req.marker.evaluate({"extra": ""})]
+    return [
+        req for req in wanted if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras))
+    ]
+
+
+def closure(name: str, extras: tuple[str, ...] = ()) -> set[str]:
+    """Canonical names of the installed distributions `name` needs here, transitively (its own `extras`, none of
+    theirs), itself included."""
+    seen, todo = set(), [(name, extras)]
+    while todo:
+        dist, wanted = todo.pop()
+        if canonical(dist) in seen:
+            continue
+        seen.add(canonical(dist))
+        todo += [(req.name, ()) for req in requirements(dist, wanted)]
+    return seen
 
 
 def constraints(out: str) -> None:

@@ -28,7 +28,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools import lock  # noqa: E402
-from tools.lock import canonical  # noqa: E402
 
 # Never in the wheelhouse: the machine's own CUDA build of torch brings these.
 LEFT_OUT = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|pip)$")
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated packages the target already has")
     args = ap.parse_args(argv)
 
-    skip = {canonical(s) for s in args.skip.split(",") if s}
+    skip = {lock.canonical(s) for s in args.skip.split(",") if s}
     pins = {k: v for k, v in lock.read().items() if k not in skip and not LEFT_OUT.match(k)}
     os.makedirs(args.out, exist_ok=True)
     target = ["--python-version", args.python_version, "--implementation", "cp"]
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
     impure = [
         w
         for w in wheels
-        if any(w.startswith(canonical(s.split("==")[0]).replace("-", "_")) for s in built)
+        if any(w.startswith(lock.canonical(s.split("==")[0]).replace("-", "_")) for s in built)
         and not w.endswith("-none-any.whl")
     ]
     if impure:

@@ -27,30 +27,18 @@ from importlib import metadata
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tools.lock import requirements  # noqa: E402
+from tools.lock import closure  # noqa: E402
 
 UNREACHABLE = "http://127.0.0.1:9"  # nothing listens there: any download fails at once
 # what the clone's environment must import: the product and what it runs on
 IMPORTS = "import deepspeed, hydra, omegaconf, wandb, datasets, transformers, rich, megatron_lite.training"
 
 
-def _requirement_closure(name: str) -> set[str]:
-    """Distributions `name` needs at run time here (markers evaluated, extras ignored), itself included."""
-    seen, todo = set(), [name]
-    while todo:
-        dist = metadata.distribution(todo.pop())
-        if dist.metadata["Name"] in seen:
-            continue
-        seen.add(dist.metadata["Name"])
-        todo += [req.name for req in requirements(dist.metadata["Name"])]
-    return seen
-
-
 def _link_torch(site: str) -> None:
     """Symlink torch, triton (a CUDA torch's requirement; the CPU build here lacks it), their requirements and
     dist-info into `site`: a GPU node's preinstalled torch stack."""
     os.makedirs(site)
-    for name in _requirement_closure("torch") | _requirement_closure("triton"):
+    for name in closure("torch") | closure("triton"):
         dist = metadata.distribution(name)
         tops = (dist.read_text("top_level.txt") or "").split() or [re.sub(r"[-.]", "_", name).lower()]
         paths = {str(f).split("/")[0] for f in dist.files or []}
