@@ -217,8 +217,8 @@ def resume_candidates(root: str) -> tuple[list[str], list[str]]:
     """(checkpoints to try for resume=auto, best first; notes on `latest` when it does not name the newest).
     Every committed checkpoint (meta.json is written only once every rank's files are durable and checksummed),
     newest first. `latest` follows the commit; where it names an older one (a crash between meta.json and
-    `latest`, or an edited or damaged `latest`), the newer ones are still candidates (before 2026-11-28 they
-    were not, and the run renamed them aside as unsound when it reached their steps again)."""
+    `latest`, or an edited or damaged `latest`), the newer ones are still candidates: a commit is sound whatever
+    `latest` says, and a run that passed them over would rename them aside as unsound on reaching their steps."""
     name, problem = _read_latest(root)
     notes = [problem] if problem else []
     steps = complete_steps(root)

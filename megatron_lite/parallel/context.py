@@ -86,8 +86,8 @@ def _group_prefix(store, client, rank: int):
     store torchrun's agents keep for the whole job. Not TORCHELASTIC_RESTART_COUNT: each agent counts its own
     restarts, and under a multi-node rendezvous an agent restarted for a membership change (its workers alive
     when a failed node's agent re-joined) keeps its count while the failed node's raises it, so one group's
-    ranks used two prefixes and hung in init until dist.timeout_s, at every later try too (found from outside:
-    --nnodes 1:2, one rank per agent, the second agent's rank SIGKILLed). Instead each rank but 0 queues a fresh
+    ranks would use two prefixes and hang in init until dist.timeout_s, at every later try too (--nnodes 1:2,
+    one rank per agent, the second agent's rank SIGKILLed). Instead each rank but 0 queues a fresh
     nonce and waits for the token filed under it; rank 0 makes a fresh token and, from a thread with its own
     connection until its group is formed, files it under every nonce it pops (a dead group's nonces are answered
     too, harmlessly: nobody waits for them). Returns (prefix, the event that ends rank 0's thread, or None)."""

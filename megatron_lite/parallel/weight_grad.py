@@ -343,8 +343,8 @@ def _linear_now(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """F.linear with its gradients made in its backward. Under autocast with parameters of another dtype
     (ZeRO-0's bf16) the weight gradients are made in the parameters' dtype (linear_weight_grads), inside
     torch.compile too: its graphs trace _Linear (casts fused as autocast's would be) and call the product as
-    one op. Until 2026-11-28 compiled blocks ran autocast's linear instead, whose bf16 weight gradients a
-    separate pass cast to fp32 (2-3e-3 from eager; tests/unit/test_weight_grad.py)."""
+    one op, so compiled and eager blocks give the same gradients (autocast's own linear makes bf16 weight
+    gradients, 2-3e-3 from these once cast to fp32: tests/unit/test_weight_grad.py)."""
     dtype = autocast_dtype(x.device.type)
     if dtype is None or dtype == weight.dtype:
         return F.linear(x, weight, bias)

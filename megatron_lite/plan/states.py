@@ -225,8 +225,8 @@ def _zero3_reduce(shards: list[int], N: int, m: int) -> int:
     """ZeRO-3's reduce-scatter copies (fp32) of what one reduction takes: the gradients of the parameters in the
     ipg bucket, which is flushed before it would pass reduce_bucket_size (a larger parameter goes alone), so at
     most max(BUCKET, the largest parameter) elements, and at most a group (padded to N) for a small model.
-    (Before 2026-11-28 the whole group always: 25 GiB too much for llama-7b, found by trying the planner from
-    outside; measured on an 84M-parameter model at dp 2, the peak then came out 8.4% high.)"""
+    Pricing the whole group instead puts llama-7b 25 GiB too high (tests/distributed/test_plan_validation.py
+    measures a model larger than one bucket)."""
     return 4 * min(N * max(shards), max(BUCKET, math.ceil(m / N) * N))
 
 

@@ -53,7 +53,7 @@ def test_exact_resume_from_an_async_checkpoint(names, tmp_path):
         assert all(r["ckpt_block_s"] >= 0 for r in records if r["step"] in (4, 8)), records
         # each save's write time, logged once, on the step it is known: step 4's on a step from 4 (a write done
         # before the loop looked) to 8 (when step 8's save had to wait for it: then step 8's own write time is
-        # ckpt_final_write_s beside it; before 2026-11-28 it replaced it), step 8's on step 8
+        # ckpt_final_write_s beside it, not in its place), step 8's on step 8
         writes = [(r["step"], key) for r in records for key in ("ckpt_write_s", "ckpt_final_write_s") if key in r]
         assert len(writes) == 2 and writes[-1][0] == 8 and 4 <= writes[0][0] <= 8, (name, records)
         assert_continues(resumed, straight, 1e-6, f"{name}, async checkpoint")

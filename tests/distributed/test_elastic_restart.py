@@ -222,8 +222,8 @@ dist.destroy_process_group()  # as cli.py does: a process leaving gloo's threads
 def test_a_worker_group_whose_agents_count_restarts_differently_still_forms(tmp_path):
     """Two torchrun agents (one rank each) keep their own TORCHELASTIC_RESTART_COUNT: after a failure one may
     restart for a membership change without raising its count. Under one job-wide store (the agent store, here
-    a TCPStore of the test's) a group whose ranks had counts 0 and 1 used two key prefixes while the prefix was
-    the count, and hung in init (found from outside with --nnodes 1:2). A first group forms and ends, leaving its
+    a TCPStore of the test's) a group whose ranks had counts 0 and 1 would use two key prefixes were the prefix
+    the count, and hang in init (as with --nnodes 1:2). A first group forms and ends, leaving its
     keys; then the group with counts 0 and 1 forms and all-reduces."""
     import torch.distributed as dist
 

@@ -60,7 +60,7 @@ def test_nan_step_is_skipped_on_every_rank(stage, tmp_path):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
-    # a resume continues the count (before 2026-11-28 it started again from 0)
+    # a resume continues the count, not from 0
     assert read_meta(os.path.join(run_dir, "checkpoints", step_name(4)))["skipped_steps"] == 1
     assert not torch.isfinite(torch.tensor(records[2]["grad_norm"]))
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in records[3:])

@@ -278,9 +278,8 @@ def test_tensor_parallel_resharding_on_resume(stage, tp_to, nproc_to, tmp_path):
 def test_zero0_resharding_on_resume(tmp_path):
     """ZeRO-0, the default stage, through the universal form (checkpoint/universal.py): saved at tp=2 x pp=2 and
     resumed at tp=1 x dp=2, at ZeRO-0 and at ZeRO-1; saved at tp=1 x dp=2 by ZeRO-0 and by ZeRO-1 and resumed at
-    tp=2 x pp=2 under ZeRO-0 and ZeRO-1, and at tp=2 x dp=2 under ZeRO 1 and 2 (into tp x pp, DeepSpeed's
-    loader, used for ZeRO 1-2 until 2026-11-29, asserted while our model-parallel unit reported a "slice" size
-    of tp x pp).
+    tp=2 x pp=2 under ZeRO-0 and ZeRO-1, and at tp=2 x dp=2 under ZeRO 1 and 2 (into tp x pp, DeepSpeed's own
+    ZeRO 1-2 loader asserts while our model-parallel unit reports a "slice" size of tp x pp).
     Loss and grad norm continue the uninterrupted run within 1e-4. With the moments zeroed on load the losses
     part by 1.8."""
     split = ["parallel.tp=2", "parallel.pp=2"]
@@ -293,9 +292,8 @@ def test_zero0_resharding_on_resume(tmp_path):
         [run("z0_whole", 0), run("z1_whole", 1), resume("merged", "z0_split", 0), resume("merged_z1", "z0_split", 1)],
         tmp_path,
     )
-    # Into tp 2 x dp 2 at ZeRO 1 and 2, where DeepSpeed's loader (until 2026-11-29) cut what a tp=1 checkpoint
-    # recorded: before 2026-11-28 tp=1 recorded no split patterns and it cut fused QKV and row-parallel weights
-    # along dim 0 (loss 9.02 at the step after the resume, above the initial 9.01; found by trying it from outside).
+    # Into tp 2 x dp 2 at ZeRO 1 and 2: cut by the split patterns (fused QKV and row-parallel weights cut along
+    # dim 0 instead give loss 9.02 at the step after the resume, above the initial 9.01).
     resplit, resplit_z1, z1_tp2, z0_tp2_z2, z1_split = run_configs(
         4,
         [
@@ -322,13 +320,13 @@ def test_zero0_resharding_on_resume(tmp_path):
 
 
 def test_zero3_resharding_on_resume(tmp_path):
-    """ZeRO-3 through our universal loaders (checkpoint/loaders.py): saved at tp=2 and resumed at tp=1 x dp=2,
+    """ZeRO-3 through our universal loaders (engine/repairs/universal_load.py): saved at tp=2 and resumed at tp=1 x dp=2,
     into ZeRO-3 (also with the optimizer offloaded: DeepSpeed's CPU Adam keeps its step as a number), into
     ZeRO-0 (our cut), into ZeRO-2 and into ZeRO-1 with CPU Adam (the ZeRO 1-2 loader, whose optimizer creates
     its states at the first step: the loader makes them, a Python int step for CPU Adam); a ZeRO-1 checkpoint
-    at tp=1 x dp=2 resumed at ZeRO-3, tp=2. Until 2026-11-29 each was refused: DeepSpeed's ZeRO-3 loader
-    partitions a full TP weight as it is, and its ZeRO 1-2 loader reads model-states files that a ZeRO-3
-    checkpoint names otherwise. Loss and grad norm continue the uninterrupted run within 1e-4."""
+    at tp=1 x dp=2 resumed at ZeRO-3, tp=2. DeepSpeed's own loaders cannot: its ZeRO-3 loader partitions a full
+    TP weight as it is, and its ZeRO 1-2 loader reads model-states files that a ZeRO-3 checkpoint names
+    otherwise. Loss and grad norm continue the uninterrupted run within 1e-4."""
     run, resume = staged_runs(tmp_path)
 
     z3_tp2, z1_dp2 = run_configs(2, [run("z3_tp2", 3, "parallel.tp=2"), run("z1_dp2", 1)], tmp_path)
@@ -500,9 +498,8 @@ def test_nvme_offloaded_optimizer_resumes(async_io_op, tmp_path):
     stays in memory), alone and with the parameters on NVMe too (its checkpoints written in the background:
     checkpoint.async_save), on 2 ranks: 8 straight steps vs a restart from
     step 4, exact (1e-6), without a conversion. DeepSpeed 0.19's own load of such a checkpoint (its swap files
-    copied back, its optimizer files skipped) resumed 1.1 off in the losses (measured: the in-memory sub-group at
-    its initial values, the steps restarted), which was refused until 2026-11-29; now each rank fills its
-    sub-groups from its own files (checkpoint/loaders.load_offloaded). Then another layout and offload both ways at 1 rank,
+    copied back, its optimizer files skipped) resumes 1.1 off in the losses (measured: the in-memory sub-group at
+    its initial values, the steps restarted); each rank fills its sub-groups from its own files (engine/repairs/universal_load.load_offloaded). Then another layout and offload both ways at 1 rank,
     1e-4, through the universal form and the swap files the ranks recorded (checkpoint/universal.py): the NVMe
     checkpoint into CPU offload, a CPU-offload checkpoint into NVMe; and the NVMe checkpoint's HF export equals
     the CPU-offload run's (the same arithmetic: 1e-6)."""

@@ -264,7 +264,7 @@ def test_an_evaluation_larger_than_the_validation_split_is_said(tmp_path):
 
 def test_a_run_from_imported_weights_says_so(tmp_path):
     """A weights-only checkpoint (what an HF import writes) starts a run at step 0, which the start of the run
-    says (until 2026-11-29 nothing did: noticed from outside), naming what starts afresh."""
+    says, naming what starts afresh."""
     from omegaconf import OmegaConf
 
     from megatron_lite.checkpoint.weights import save_model_state
@@ -289,8 +289,8 @@ def test_a_run_from_imported_weights_says_so(tmp_path):
 
 def test_resume_never_keeps_the_checkpoints_already_there(tmp_path):
     """checkpoint.resume=never into a checkpoint.dir that holds an earlier run's checkpoints: the new run's pruning
-    (keep=1) deleted them without a word until 2026-11-29 (found by trying it from outside), and a later
-    resume=auto could have picked one. They are set aside (renamed step_N.before_resume_never.<time>) and said."""
+    (keep=1) would delete them without a word, and a later resume=auto could pick one. They are set aside
+    (renamed step_N.before_resume_never.<time>) and said."""
     ck = f"{tmp_path}/ck"
     # two calls: one call's one-rank runs train at once, in the two halves of the pool (launcher.run_configs)
     run_configs(

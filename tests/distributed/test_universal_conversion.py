@@ -1,8 +1,8 @@
 """The universal form a layout change converts a checkpoint into (checkpoint/universal.convert_to_universal) is
 checked before it is used again, made by concurrent jobs without a race, and put elsewhere for a checkpoint
-that cannot be written. Found by trying it from outside: a flipped bit in a cached conversion loaded silently
-(loss inf), a truncated one crashed every restart, and three jobs converting one checkpoint at once crashed
-two of them in DeepSpeed's merge; a conversion killed part-way left its directories for good."""
+that cannot be written. Without these: a flipped bit in a cached conversion loads silently (loss inf), a
+truncated one crashes every restart, three jobs converting one checkpoint at once crash two of them in
+DeepSpeed's merge, and a conversion killed part-way leaves its directories for good."""
 
 import multiprocessing
 import os

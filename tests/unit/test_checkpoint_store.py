@@ -75,8 +75,8 @@ def test_auto_resume_passes_over_a_truncated_newest_and_a_dangling_latest(tmp_pa
 def test_latest_is_a_pointer_every_committed_checkpoint_is_a_candidate(tmp_path):
     """meta.json is written once every file is durable and checksummed, so a checkpoint is committed even where
     `latest` was not moved to it (a crash in between) or names an older or a missing one, or cannot be read:
-    auto tries the newest first and says what `latest` holds (found from outside: a `latest` naming a missing
-    step below the real ones refused to resume at all; one naming an older step rolled back to it)."""
+    auto tries the newest first and says what `latest` holds (trusting `latest` instead, one naming a missing step
+    below the real ones would refuse to resume at all, and one naming an older step would roll back to it)."""
     for step in (4, 8):
         commit(tmp_path, step)
     commit(tmp_path, 12, move_latest=False)
@@ -172,7 +172,7 @@ def test_steps_past_ten_million_resume_and_prune_in_step_order(tmp_path):
 
 
 def test_a_changed_field_of_meta_json_fails_its_crc(tmp_path):
-    """meta.json carries a CRC-32 of its fields (found from outside: a changed consumed_samples or step resumed
+    """meta.json carries a CRC-32 of its fields (a changed consumed_samples or step would otherwise resume
     silently, the losses then off by up to 9e-2); auto passes such a checkpoint over. One written before the CRC
     existed has none and is taken as it is."""
     commit(tmp_path, 4)

@@ -141,17 +141,17 @@ BAD = [
     (["train.steps"], 1, "not an override"),
     (["train.recompute=some"], 1, "train.recompute=some is not a valid choice"),
     (["train.recompute=full", "train.recompute_every=0"], 1, "train.recompute_every=0 must be >= 1"),
-    (["parallel.cp=3"], 6, "use parallel.cp in [1, 2] or"),  # before: [1, 2, 4, ...], and cp=4 does not divide 6
+    (["parallel.cp=3"], 6, "use parallel.cp in [1, 2] or"),  # unchecked: [1, 2, 4, ...], and cp=4 does not divide 6
     (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "model.seq_len=132"], 4, "use parallel.cp in [1] or"),
     (["+train.stpes=3"], 1, "train.stpes=3 is not a config key (given as +train.stpes=3"),
     (["++train.foo=1"], 1, "train.foo=1 is not a config key"),
     (["+model.n_layers=3"], 1, "write it without the +: model.n_layers=3"),
-    (["model.vocab_multiple=0"], 1, "model.vocab_multiple=0 must be positive"),  # before: ZeroDivisionError
-    (["optim.eps=-1"], 1, "optim.eps=-1.0 must be a positive number"),  # before: torch's ValueError traceback
+    (["model.vocab_multiple=0"], 1, "model.vocab_multiple=0 must be positive"),  # unchecked: ZeroDivisionError
+    (["optim.eps=-1"], 1, "optim.eps=-1.0 must be a positive number"),  # unchecked: torch's ValueError traceback
     (["model.init_std=-1"], 1, "model.init_std=-1.0 must be a positive number"),
-    (["model.norm_eps=-1"], 1, "model.norm_eps=-1.0 must be a positive number"),  # before: trained on NaN
+    (["model.norm_eps=-1"], 1, "model.norm_eps=-1.0 must be a positive number"),  # unchecked: trained on NaN
     (["model.rope_theta=0"], 1, "model.rope_theta=0.0 must be a positive number"),
-    # Found by a sweep from outside (2026-11-29): each was a traceback after the process group, or ran wrongly.
+    # Without these checks each is a traceback after the process group starts, or a run that goes wrong.
     (["seed=-1"], 1, "seed=-1 must be in [0, 2**63)"),  # numpy's sampler refused it at step 1
     (["seed=99999999999999999999"], 1, "must be in [0, 2**63)"),  # torch.manual_seed overflowed
     (["optim.weight_decay=nan"], 1, "optim.weight_decay=nan must be a finite number >= 0"),
@@ -206,7 +206,7 @@ def _torchrun_summary(error_file, exitcode: int) -> str:
 
 def test_train_py_exits_2_with_one_line_and_no_traceback(tmp_path):
     """One line, once; under torchrun it is also the root cause its failure summary gives (cli.tell_torchrun), and
-    a crash's traceback is (before: "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")."""
+    a crash's traceback is (not: "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")."""
     error_file = tmp_path / "error.json"
     env = dict(os.environ, RANK="0", WORLD_SIZE="4", TORCHELASTIC_ERROR_FILE=str(error_file))
     proc = subprocess.run(
@@ -358,7 +358,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     ):
         load(args + ["model.n_layers=6", "model.d_model=64", "model.seq_len=64"], world_size=1)
     # Every stage converts to and from every other, at any DP, TP or pipeline layout (our loaders,
-    # checkpoint/loaders.py). A tp=1 ZeRO 1-2 checkpoint written before checkpoints recorded their TP split
+    # engine/repairs/universal_load.py). A tp=1 ZeRO 1-2 checkpoint written before checkpoints recorded their TP split
     # patterns (2026-11-28; DeepSpeed's loader cut by them) loads at tp 2 too: ours cuts as the model builds.
     assert load(args + ["zero.stage=3"], world_size=1).zero.stage == 3
     assert load(args + ["zero.stage=2", "parallel.tp=2"], world_size=2).zero.stage == 2
@@ -371,7 +371,7 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
     cfg = load([f"data.path={data_dir}", "model=llama-tiny"], world_size=1)
     write(0)  # RoPE computes its tables for any length: a llama resumes (or fine-tunes an import) at another seq_len
     assert load(args + ["model=llama-tiny", "model.seq_len=64"], world_size=1).model.seq_len == 64
-    write(3)  # ZeRO-3 resumes at another tp, and ZeRO-0 resumes it (our loaders, checkpoint/loaders.py)
+    write(3)  # ZeRO-3 resumes at another tp, and ZeRO-0 resumes it (our loaders, engine/repairs/universal_load.py)
     assert load(args + ["model=llama-tiny", "zero.stage=3", "parallel.tp=2"], world_size=2).parallel.tp == 2
     assert (
         load(
@@ -379,12 +379,12 @@ def test_resume_with_another_model_shape_or_unconvertible_layout_is_refused(data
         ).parallel.pp
         == 2
     )
-    for stage in (1, 2):  # refused until 2026-11-29 (DeepSpeed's ZeRO 1-2 loader looked for ZeRO 1-2's files)
+    for stage in (1, 2):  # our loaders read the universal form whatever stage wrote it
         assert load(args + ["model=llama-tiny", f"zero.stage={stage}"], world_size=1).zero.stage == stage
     write(2)
     assert load(args + ["model=llama-tiny", "zero.stage=3"], world_size=1).zero.stage == 3
     # An NVMe-offloaded optimizer resumes through the universal form from the swap files its ranks recorded
-    # (checkpoint/offload.py); one written before they recorded them cannot
+    # (engine/repairs/nvme_checkpoint.py); one written before they recorded them cannot
     write(3, config={"model": asdict(cfg.model), "zero": {"offload_optimizer": "nvme"}})
     with pytest.raises(
         ConfigError,

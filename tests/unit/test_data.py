@@ -435,7 +435,7 @@ def test_train_tokenizer_on_your_documents_then_prepare_with_it(tmp_path):
         train_tokenizer.main(["--input", str(tmp_path / "src"), "--out", str(tmp_path / "t2"), "--vocab-size", "100"])
     with pytest.raises(SystemExit, match="--input and --out go together"):
         train_tokenizer.main(["--out", str(tmp_path / "t3")])
-    # its input errors name it, not prepare_data, whose readers it shares (said as prepare_data's until 2026-11-29)
+    # its input errors name it, not prepare_data, whose readers it shares
     with pytest.raises(SystemExit, match=r"^train_tokenizer: --input \S+/nosuch does not exist$"):
         train_tokenizer.main(["--input", str(tmp_path / "nosuch"), "--out", str(tmp_path / "t4")])
     with pytest.raises(SystemExit, match=r"^train_tokenizer: --text-key text is not a field of "):

@@ -58,7 +58,7 @@ def test_bad_input_is_one_line(tmp_path):
         SystemExit, match=r"^generate: --greedy gives one continuation \(the most likely\), not --num 2"
     ):
         main([path, "--greedy", "--num", "2", "--tokenizer", TOKENIZER])
-    # Found from outside (2026-11-29): transformers' traceback, a FileNotFoundError, 82 s of hub retries
+    # each a one-line refusal, not transformers' traceback, a FileNotFoundError or 82 s of hub retries
     with pytest.raises(SystemExit, match=r"--top-k >= 0"):
         main([path, "--top-k", "-1"])
     with pytest.raises(SystemExit, match=r"^generate: \S+ is not a checkpoint \(no `latest`, no meta.json\)"):
@@ -102,8 +102,8 @@ def test_our_sampling_loop_chooses_as_transformers_generate_does(tmp_path):
 @pytest.mark.parametrize("override", ["model.bias=false", "model.norm=rmsnorm", "model.n_kv_heads=2"])
 def test_a_model_no_transformers_class_holds_is_sampled_with_ours(tmp_path, capsys, override):
     """Learned positions with no biases, RMSNorm or grouped KV heads: the trainer takes them, neither GPT-2 nor
-    Llama holds them. Found from outside (2026-11-29): generate died in a traceback of the export's refusal.
-    Now our model samples them (said on stderr), greedy equal to its own argmax loop."""
+    Llama holds them, and the export refuses them: our model samples them (said on stderr), greedy equal to its
+    own argmax loop."""
     cfg = OmegaConf.to_object(compose_config(["model=tiny", "model.init_std=0.3", override])).model
     ours = GPT(cfg).eval()
     save_model_state(str(tmp_path / "odd"), cfg, ours.state_dict())
