@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_lite.config import MODEL_PRESETS, REPO_ROOT, Config, ModelConfig
 from megatron_lite.errors import ConfigError, RunError
+from megatron_lite.layout import Layout
 from megatron_lite.validation import check, notes, validate
 
 CONFIG_DIR = os.path.join(REPO_ROOT, "configs")
@@ -110,6 +111,13 @@ def load(overrides: list[str], world_size: int | None = None) -> Config:
     return checked(compose_config(overrides), world_size)
 
 
+def resolved(overrides: list[str]) -> tuple[Config, Layout]:
+    """What a run is, resolved once: the checked config and its Layout on WORLD_SIZE ranks (precision and
+    pipeline schedule resolved for this machine, layers split over the stages). training.run takes both."""
+    cfg = load(overrides)
+    return cfg, Layout.of_run(cfg, env_world_size())
+
+
 def env_world_size() -> int:
     """WORLD_SIZE as torchrun/Slurm set it (1 for `python train.py`); ConfigError when it is not a rank count."""
     value = os.environ.get("WORLD_SIZE", "1")
@@ -135,7 +143,7 @@ def checked(composed: DictConfig, world_size: int | None = None) -> Config:
 
 def _check(cfg: Config, json_path: str | None) -> int:
     """`--check`: the layout's predicted memory, time and MFU in one line; exit 2 if it does not fit."""
-    from megatron_lite.plan import Layout, cluster_from_config, planning_precision, predict
+    from megatron_lite.plan import cluster_from_config, predict
     from megatron_lite.plan.report import check_line, does_not_fit, write_json
     from megatron_lite.plan.search import fixes
 
@@ -149,14 +157,12 @@ def _check(cfg: Config, json_path: str | None) -> int:
             2,
         )
     cluster = cluster_from_config(c, world)
-    precision = planning_precision(cfg)
-    prediction = predict(cfg.model, Layout.from_config(cfg, world), cluster, precision)
+    prediction = predict(cfg.model, Layout.of_run(cfg, world, cuda=True), cluster)  # as it runs on the cluster
     if json_path:
         write_json(json_path, [prediction])
     if not prediction.fits:
         return _one_line(
-            "config error: "
-            + does_not_fit(prediction, cluster, fixes(cfg.model, prediction.layout, cluster, precision)),
+            "config error: " + does_not_fit(prediction, cluster, fixes(cfg.model, prediction.layout, cluster)),
             2,
         )
     if int(os.environ.get("RANK", "0")) == 0:
@@ -168,7 +174,8 @@ def _check(cfg: Config, json_path: str | None) -> int:
 
 def _plan(overrides: list[str], json_path: str | None) -> int:
     """`--plan`: every layout of the model and batch on the cluster, ranked; the top ones as a table."""
-    from megatron_lite.plan import cluster_from_config, planning_precision
+    from megatron_lite.layout import resolve_precision
+    from megatron_lite.plan import cluster_from_config
     from megatron_lite.plan.report import plan_table, write_json
     from megatron_lite.plan.search import PINNABLE, UNSEARCHED, Space, search, why_none
 
@@ -195,8 +202,8 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     cfg.train.micro_batch_size = cfg.train.global_batch_size
     validate(cfg, 1)
     cluster = cluster_from_config(cfg.cluster)
-    space = Space(pinned=pinned)
-    found = search(cfg.model, cfg.train.global_batch_size, cluster, planning_precision(cfg), space=space)
+    space = Space(pinned=pinned, precision=resolve_precision(cfg.train.precision, cuda=True))
+    found = search(cfg.model, cfg.train.global_batch_size, cluster, space=space)
     if json_path:
         write_json(json_path, found)
     if not found:
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--json goes with --check or --plan")
         if mode == "--plan":
             return _plan(overrides, json_path)
-        cfg = load(overrides)
+        cfg, layout = resolved(overrides)
         if mode == "--cfg":
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite.training import run
 
     try:
-        run(cfg)
+        run(cfg, layout)
     except RunError as err:
         return _one_line(f"error: {err}", 3)
     except RuntimeError as err:  # a collective's timeout: name the rank that stalled, then end like a crash

@@ -106,14 +106,15 @@ def _max_over_ranks(value: int, ctx: ParallelContext) -> int:
     return int(out.item())
 
 
-def run(cfg: Config) -> dict:
-    """Train to cfg.train.steps (or until a stop signal). Returns a summary dict (rank 0's view)."""
-    summary = _train(cfg)
+def run(cfg: Config, layout: Layout) -> dict:
+    """Train to cfg.train.steps (or until a stop signal) at `layout`, resolved once from cfg and the world size
+    (cli.resolved). Returns a summary dict (rank 0's view)."""
+    summary = _train(cfg, layout)
     gc.collect()  # what is left of the run (reference cycles) still holds its process groups' threads
     return summary
 
 
-def _train(cfg: Config) -> dict:
+def _train(cfg: Config, layout: Layout) -> dict:
     trainer, lock, refusal = None, None, None
     try:
         if os.environ.get("RANK", "0") == "0":  # global rank 0, before any group: one run per run.dir
@@ -127,7 +128,7 @@ def _train(cfg: Config) -> dict:
         agree_on_refusal(refusal, cfg.run.dir, ctx.device)
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
         try:
-            trainer = Trainer(cfg, ctx, memory)
+            trainer = Trainer(cfg, layout, ctx, memory)
             summary = trainer.fit()
         finally:
             memory.close()
@@ -168,8 +169,9 @@ class Trainer:
     checkpoints, then close. `fit` holds the one try/finally: whatever setup reached is closed however the run
     ends, and a run that ends by an error is marked failed in wandb."""
 
-    def __init__(self, cfg: Config, ctx: ParallelContext, memory: PeakMemory):
-        self.cfg, self.ctx, self.memory = cfg, ctx, memory
+    def __init__(self, cfg: Config, layout: Layout, ctx: ParallelContext, memory: PeakMemory):
+        assert layout.world_size == ctx.world_size, (layout, ctx.world_size)  # built for WORLD_SIZE ranks
+        self.cfg, self.layout, self.ctx, self.memory = cfg, layout, ctx, memory
         self.engine: Engine | None = None
         self.logger: MetricsLogger | None = None
         self.checkpoints: Checkpointer | None = None
@@ -194,7 +196,6 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
         seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
-        self.layout = Layout.of_run(cfg, ctx.world_size)
         self.checkpoints = Checkpointer(cfg, ctx, self.layout)
         self.engine = self._build_engine()
         meta = self.checkpoints.load(self.engine)
@@ -263,7 +264,7 @@ class Trainer:
         model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
         if cfg.train.compile:
             model.compile_blocks()
-        return Engine(cfg, model, ctx, self.layout, ds_config)
+        return Engine(model, ctx, self.layout, ds_config, model_cfg=cfg.model, train=cfg.train)
 
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx

@@ -35,6 +35,7 @@ from megatron_lite.checkpoint.store import read_meta, step_name  # noqa: E402
 from megatron_lite.checkpoint.writer import AsyncWriter  # noqa: E402
 from megatron_lite.cli import compose_config  # noqa: E402
 from megatron_lite.engine import Engine  # noqa: E402
+from megatron_lite.engine.ds_config import deepspeed_config  # noqa: E402
 from megatron_lite.layout import Layout  # noqa: E402
 from megatron_lite.model.build import build_model  # noqa: E402
 from megatron_lite.parallel.context import ParallelContext, init_distributed  # noqa: E402
@@ -46,11 +47,11 @@ def state_bytes(root: str) -> int:
 
 
 def convert_and_reload(engine, path: str) -> tuple[float, float]:
-    """What resuming this ZeRO-0 checkpoint at another layout costs (checkpoint/universal.py, checkpoint/loaders.py): the conversion to the
+    """What resuming this ZeRO-0 checkpoint at another layout costs (checkpoint/universal.py, engine/repairs/universal_load.py): the conversion to the
     universal form, then loading every parameter and moment from it, here into the same layout, so the states
     must come back exactly (checked). Returns (conversion seconds, load seconds)."""
-    from megatron_lite.checkpoint.loaders import _load_zero0_universal
     from megatron_lite.checkpoint.universal import convert_to_universal
+    from megatron_lite.engine.repairs.universal_load import _load_zero0_universal
 
     optimizer = engine.optimizer
     before = [t.clone() for t in _states(engine)]
@@ -109,7 +110,9 @@ def main(argv=None) -> dict:
     init_distributed()
     ctx = ParallelContext.build()
     layout = Layout.of_run(cfg, ctx.world_size)
-    engine = Engine(cfg, build_model(cfg, ctx, layout), ctx, layout)
+    engine = Engine(
+        build_model(cfg, ctx, layout), ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train
+    )
     batch = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1), device=ctx.device)
     engine.train_step([batch], cfg.optim.lr, 1)  # the AdamW moments exist from here on
     meta = {

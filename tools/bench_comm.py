@@ -99,6 +99,7 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
     from megatron_lite.cli import load
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
+    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.layout import Layout
     from megatron_lite.model.gpt import GPT
     from megatron_lite.model.parallelize import parallelize
@@ -114,7 +115,8 @@ def measure(overrides: list[str], counter: CommCounter) -> tuple[dict, object, i
     torch.manual_seed(cfg.seed)
     model = parallelize(GPT(cfg.model, tp=ctx.tp_size), ctx.tp_group, cfg.parallel.sp)
     n_params = sum(p.numel() for p in model.parameters())  # this rank's (TP-sharded) parameters
-    engine = Engine(cfg, model, ctx, Layout.of_run(cfg, ctx.world_size))
+    layout = Layout.of_run(cfg, ctx.world_size)
+    engine = Engine(model, ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train)
     stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
     batches = MicroBatches(stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size)
     engine.train_step(batches.next_step(), 1e-3, 1)  # warm-up step (first-use gathers, buffers)

@@ -172,6 +172,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
 
     from megatron_lite.cli import compose_config
     from megatron_lite.engine import Engine
+    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.kernels import resolve_backend
     from megatron_lite.layout import Layout
     from megatron_lite.model.build import build_model
@@ -186,7 +187,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     if cfg.train.compile:
         model.compile_blocks()
-    engine = Engine(cfg, model, ctx, layout)
+    engine = Engine(model, ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train)
     if recast:
         engine._weight_copies = contextlib.nullcontext
     t = cfg.train

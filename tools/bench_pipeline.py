@@ -334,6 +334,7 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     from megatron_lite.cli import load
     from megatron_lite.data.sampler import MicroBatches, open_streams
     from megatron_lite.engine import Engine
+    from megatron_lite.engine.ds_config import deepspeed_config
     from megatron_lite.kernels import resolve_backend
     from megatron_lite.layout import Layout
     from megatron_lite.model.gpt import GPT
@@ -362,7 +363,8 @@ def measure_zero(stage: int, counter: CallCounter, m: int = 4) -> dict:
     tie_across_stages(model, ctx.embed_group, ctx.pp_rank, ctx.pp_size)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
     n_params = sum(p.numel() for p in model.parameters())
-    engine = Engine(cfg, model, ctx, Layout.of_run(cfg, ctx.world_size))
+    layout = Layout.of_run(cfg, ctx.world_size)
+    engine = Engine(model, ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train)
     plain_step = engine.ds_engine.step
 
     def step(*args, **kwargs):  # everything the optimizer step sends is filed under "step"

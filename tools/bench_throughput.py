@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.cli import compose_config  # noqa: E402
 from megatron_lite.engine import Engine  # noqa: E402
+from megatron_lite.engine.ds_config import deepspeed_config  # noqa: E402
 from megatron_lite.layout import Layout  # noqa: E402
 from megatron_lite.model.gpt import GPT  # noqa: E402
 from megatron_lite.parallel.context import ParallelContext, init_distributed  # noqa: E402
@@ -122,7 +123,8 @@ def main(argv=None) -> dict:
     ctx = ParallelContext.build()
     device = ctx.device
     torch.manual_seed(0)
-    engine = Engine(cfg, GPT(cfg.model), ctx, Layout.of_run(cfg, ctx.world_size))
+    layout = Layout.of_run(cfg, ctx.world_size)
+    engine = Engine(GPT(cfg.model), ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train)
     dtype = engine.dtype
     hf = hf_gpt2(cfg.model, device, torch.float32)
     hf_opt = torch.optim.AdamW(

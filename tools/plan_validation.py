@@ -153,7 +153,7 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
             partition, dtype = zero3_partitioner(deepspeed_config(cfg, layout), ctx)
         model = build_model(cfg, ctx, layout, dtype=dtype, partition=partition)
         model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
-        engine = Engine(cfg, model, ctx, layout)
+        engine = Engine(model, ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train)
         stream = open_streams(cfg.data.path, cfg.data.weights, cfg.model.seq_len, cfg.seed, validation=False).train
         batches = MicroBatches(
             stream, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size
@@ -241,17 +241,16 @@ def compare(result: dict, nproc: int) -> list[dict]:
     """Predicted vs measured per pipeline stage (the worst measured rank of each stage; the planner prices the
     worst too: DeepSpeed's padding and ZeRO-2's overlapping parameters make dp ranks differ slightly)."""
     from megatron_lite.cli import load
-    from megatron_lite.layout import resolve_precision
-    from megatron_lite.plan.layout import Layout
+    from megatron_lite.layout import Layout
     from megatron_lite.plan.memory import rank_memory
 
     cfg = load(result["overrides"], world_size=nproc)
-    lay = Layout.from_config(cfg, nproc)
+    lay = Layout.of_run(cfg, nproc)  # this machine's precision, as it ran
     rows = []
     for stage in sorted({r["pp_rank"] for r in result["ranks"]}):
         measured = [r for r in result["ranks"] if r["pp_rank"] == stage]
         worst = {key: max(r[key] for r in measured) for key in ("params", "optimizer", "rest", "activations", "peak")}
-        pred = rank_memory(cfg.model, lay, stage, resolve_precision(cfg.train.precision), cuda=False)
+        pred = rank_memory(cfg.model, lay, stage, cuda=False)
         predicted = {
             "params": pred.params + pred.host_params,
             "optimizer": pred.optimizer + pred.host_optimizer,

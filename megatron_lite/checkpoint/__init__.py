@@ -1,14 +1,13 @@
-"""Checkpoints, one module per idea:
+"""Checkpoints, one module per idea (what DeepSpeed writes and reads is engine/'s: the Engine's save and loads,
+engine/ds_checkpoint.py, and our loaders in engine/repairs/):
 
 - manager: the Checkpointer, all the training loop sees (resume choice, loads, saves, a full or read-only dir)
 - sharded: DeepSpeed's sharded save and load, the RNG streams
 - universal: the layout-free form a change of layout, ZeRO stage or precision converts to
-- loaders: ours, of the universal form into ZeRO 0-3, and of an NVMe-swapped optimizer at its own layout
-- offload: what a checkpoint of an optimizer swapped to NVMe records, and reading its swap files' copies
 - store: the files (step directories, the manifest, the commit with fsync, candidates, pruning)
 - resume: which checkpoint a run resumes (auto's fallback) and whether it can (layout, data-stream comparisons)
 - weights: weights-only checkpoints and full merged weights (HF import/export)
-- writer: checkpoint.async_save (staging engine, background writer, rank 0's commit)
+- writer: checkpoint.async_save (host copies, background writer, rank 0's commit)
 """
 
 from megatron_lite.checkpoint.sharded import load, save, save_async

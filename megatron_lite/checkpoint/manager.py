@@ -17,8 +17,8 @@ from collections.abc import Callable
 from megatron_lite.checkpoint import resume as checkpoint_resume
 from megatron_lite.checkpoint import sharded, store
 from megatron_lite.checkpoint import weights as checkpoint_weights
-from megatron_lite.checkpoint.loaders import with_vocab_rows
 from megatron_lite.checkpoint.writer import AsyncWriter, checkpoint_group
+from megatron_lite.engine.ds_checkpoint import with_vocab_rows
 from megatron_lite.errors import RunError
 from megatron_lite.layout import Layout
 from megatron_lite.parallel.context import ParallelContext, set_collective_timeout

@@ -137,7 +137,7 @@ def data_stream_changes(saved_config: dict, cfg) -> list[str]:
 
 def check_resume(cfg) -> None:
     """Before any process group: refuse a resume that cannot work, in one line (raises ConfigError). Any other
-    layout, ZeRO stage or precision loads (through the universal form and our loaders, checkpoint/loaders.py,
+    layout, ZeRO stage or precision loads (through the universal form and our loaders, engine/repairs/universal_load.py,
     which cut its full fp32 tensors as this run's model builds), NVMe optimizer offload included; a model of
     another shape does not, nor an NVMe checkpoint of a version that did not record its swapped states."""
     from dataclasses import asdict
@@ -177,9 +177,9 @@ def check_resume(cfg) -> None:
             f"{ours} {'differs' if len(differ) == 1 else 'differ'} from the checkpoint {path} ({theirs}); "
             f"use {theirs}, or checkpoint.resume=never / another checkpoint.dir"
         )
-    from megatron_lite.checkpoint import offload
+    from megatron_lite.engine.repairs import nvme_checkpoint
 
-    if offload.unrecorded(path, meta):
+    if nvme_checkpoint.unrecorded(path, meta):
         raise ConfigError(
             f"checkpoint.resume: {path} was written with zero.offload_optimizer=nvme by an older "
             "version, which did not record where its swapped optimizer states are; resume an "

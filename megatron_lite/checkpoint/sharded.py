@@ -1,8 +1,8 @@
 """Checkpoint contents with a DeepSpeed engine: save (every rank's shards and RNG streams, then rank 0 commits
 through checkpoint/store.py: fsync, manifest, `latest`, pruning) and load. A checkpoint of the job's own layout
 loads through DeepSpeed; any other layout, ZeRO stage or precision through its universal form and our loaders
-(checkpoint/universal.py, checkpoint/loaders.py); an optimizer swapped to NVMe also through its swap files'
-copies (checkpoint/offload.py).
+(checkpoint/universal.py, engine/repairs/universal_load.py); an optimizer swapped to NVMe also through its swap
+files' copies (engine/repairs/nvme_checkpoint.py). Everything DeepSpeed-specific is the Engine's.
 
 Which checkpoint to resume and whether it can be resumed: checkpoint/resume.py. Weights-only checkpoints
 (HF import/export): checkpoint/weights.py.
@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpoint import loaders, offload, store, universal
+from megatron_lite.checkpoint import store, universal
 from megatron_lite.checkpoint.resume import warn
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, step_name
-from megatron_lite.engine.repairs import replay_cpu_adam_beta_powers
+from megatron_lite.engine.repairs import nvme_checkpoint
 from megatron_lite.layout import Layout
 
 # --- RNG streams ------------------------------------------------------------------------------------------
@@ -121,21 +121,16 @@ def _commit(root: str, path: str, step: int, meta: dict, manifest: dict, rng0: d
 def save_async(engine, ctx, root: str, step: int, meta: dict, keep: int, writer) -> str:
     """checkpoint.async_save (checkpoint/writer.py): collective staging to host memory, then this rank's background
     write; rank 0's background thread commits. Returns the step directory (not yet committed)."""
-    from megatron_lite.checkpoint.writer import StagingEngine, remove_shares
+    from megatron_lite.checkpoint.writer import remove_shares, to_host
 
     writer.wait(reason=f"checkpoint of step {step}")
     tag, path = _prepare(ctx, root, step)
-    staging, kept = StagingEngine(writer.pool), engine.ds_engine.checkpoint_engine
-    engine.ds_engine.checkpoint_engine = staging
-    try:
-        engine.save(root, tag)
-    finally:
-        engine.ds_engine.checkpoint_engine = kept
+    staged = engine.save_staged(root, tag, lambda state: to_host(state, torch.cuda.is_available(), writer.pool))
     rng = rng_state()
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned copies have landed before the writer reads them
-    files = staging.staged + [(os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"), rng)]
-    offloaded = offload.record(engine, path, ctx.rank)
+    files = staged + [(os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"), rng)]
+    offloaded = engine.swap_record(path, ctx.rank)
     if offloaded is not None:
         files.append(offloaded)
         # DeepSpeed copied this rank's swap files in engine.save, in the foreground and unsynced: the writer fsyncs
@@ -156,7 +151,7 @@ def save(engine, ctx, root: str, step: int, meta: dict, keep: int) -> str:
     tag, path = _prepare(ctx, root, step)
     engine.save(root, tag)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{ctx.rank:05d}.pt"))
-    offloaded = offload.record(engine, path, ctx.rank)
+    offloaded = engine.swap_record(path, ctx.rank)
     if offloaded is not None:
         torch.save(offloaded[1], offloaded[0])
     dist.barrier()  # every rank's files exist
@@ -178,16 +173,15 @@ def load(engine, ctx, path: str, meta: dict, layout: Layout, scratch: str | None
     saved = Layout.of_checkpoint(meta)
     # An optimizer swapped to NVMe on one side only loads through the universal form (DeepSpeed's load looks for
     # swap files the checkpoint lacks, or leaves its swapped states out); on both sides at the same layout, from
-    # each rank's own files (DeepSpeed's load of that is not exact): checkpoint/offload.py
-    swaps = offload.swaps_optimizer(engine)
-    if layout.needs_conversion(saved) or swaps != offload.recorded(path):
+    # each rank's own files (DeepSpeed's load of that is not exact): engine/repairs/nvme_checkpoint.py
+    swaps = engine.swaps_optimizer
+    if layout.needs_conversion(saved) or swaps != nvme_checkpoint.recorded(path):
         target = universal.prepare_universal(path, ctx, scratch)
-        loaders.load_into(engine, os.path.join(target, "zero"), layout.zero_stage)
+        engine.load_universal(os.path.join(target, "zero"))
     elif swaps:
-        loaders.load_offloaded(engine, path, ctx.rank)
+        engine.load_swapped(path, ctx.rank)
     else:
         engine.load(os.path.dirname(path), os.path.basename(path))
-    replay_cpu_adam_beta_powers(engine.optimizer)
     # Same layout: each rank continues its own streams. Any other layout (even at the same world size, where
     # rank r would now play another role): every rank takes rank 0's streams, the same on every rank whatever
     # the layout. Dropout masks follow either way: they are keyed by the step, not drawn from these streams.

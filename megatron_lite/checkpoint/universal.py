@@ -7,14 +7,13 @@ optimizer to NVMe and the other does not, rank 0 converts it once into DeepSpeed
 beside the shards (path/universal): DeepSpeed's converter merges the TP shards by the split patterns the engine
 saved with the checkpoint (engine/ds_config.universal_split_patterns) into one full fp32 tensor per parameter and
 state (a ZeRO-0 checkpoint, which has no ZeRO optimizer files, through its merge step alone: _zero0_to_universal;
-an optimizer swapped to NVMe has its swapped states put back from the swap files first: checkpoint/offload.py).
-Every rank then loads that with our loader for its ZeRO stage (checkpoint/loaders.py). The same conversion gives
+an optimizer swapped to NVMe has its swapped states put back from the swap files first: engine/repairs/nvme_checkpoint.py).
+Every rank then loads that with our loader for its ZeRO stage (engine/repairs/universal_load.py). The same conversion gives
 checkpoint/weights.py the full weights of a TP or pipeline run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -23,12 +22,13 @@ import socket
 import time
 import zlib
 
-import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpoint import offload, store
+from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.resume import warn
 from megatron_lite.checkpoint.store import UNIVERSAL, read_meta
+from megatron_lite.engine import ds_checkpoint
+from megatron_lite.engine.repairs import nvme_checkpoint
 
 
 def universal_dir(path: str, scratch: str | None = None) -> str:
@@ -61,7 +61,7 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
     no groups. A finished conversion is used again once its files match its manifest (else it is made again,
     with a warning). Jobs converting the same checkpoint at once each write their own temporary directory and
     rename it into place; the first wins and the others use it. ZeRO 1-3 checkpoints go through DeepSpeed's
-    converter whole (an NVMe-offloaded one's swapped states put back first: checkpoint/offload.with_states), a ZeRO-0 one
+    converter whole (an NVMe-offloaded one's swapped states put back first: engine/repairs/nvme_checkpoint.with_states), a ZeRO-0 one
     through its merge step (_zero0_to_universal)."""
     target = target or os.path.join(path, UNIVERSAL)
     problem = _universal_problem(target)
@@ -70,8 +70,6 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
     if os.path.exists(target):
         warn(f"{target}: {problem}; converting {path} again")
         shutil.rmtree(target, ignore_errors=True)
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
     # Outside the step directory, and reading it through a view of its own files: DeepSpeed's converter walks its
     # input directory, and would count the files of a conversion that another job finished meanwhile.
     parent = os.path.dirname(target)
@@ -83,27 +81,17 @@ def convert_to_universal(path: str, target: str | None = None) -> str:
     view = tmp + ".input"
     os.makedirs(view)
     try:
-        offloaded = offload.by_file(path)
+        offloaded = nvme_checkpoint.by_file(path)
         for name in os.listdir(path):
             if name in offloaded:
-                offload.with_states(path, offloaded[name], os.path.join(view, name))
+                nvme_checkpoint.with_states(path, offloaded[name], os.path.join(view, name))
             elif os.path.isfile(os.path.join(path, name)):
                 os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
         meta = read_meta(path)
         if meta["layout"]["zero_stage"] == 0:
-            _zero0_to_universal(path, meta, tmp)
+            ds_checkpoint.zero0_to_universal(path, meta, tmp)
         else:
-            ds_to_universal(
-                argparse.Namespace(
-                    input_folder=view,
-                    output_folder=tmp,
-                    num_extract_workers=1,
-                    num_merge_workers=1,
-                    keep_temp_folder=False,
-                    strict=True,
-                    inject_missing_state=False,
-                )
-            )
+            ds_checkpoint.zero_to_universal(view, tmp)
         manifest = store.manifest_share(tmp, 0, 1)  # before `done` exists: it is not among its own files
         with open(os.path.join(tmp, "done"), "w") as f:
             json.dump(manifest, f)
@@ -133,65 +121,6 @@ def _remove_killed_conversions(prefix: str) -> None:
         if not os.path.exists(f"/proc/{owner[1]}"):
             warn(f"removing {os.path.join(folder, name)}, left by a conversion that was killed")
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-
-
-def _zero0_to_universal(path: str, meta: dict, out: str) -> None:
-    """The universal form (out/zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt) of a ZeRO-0 checkpoint.
-
-    DeepSpeed's converter reads ZeRO's optimizer files, which ZeRO-0 does not write: each pipeline x TP rank's
-    mp_rank file holds its whole fp32 parameters and torch AdamW's state instead. So those are laid out as the
-    converter's extracted fragments (one per TP rank, a single "dp" fragment each), and its merge step joins
-    the TP slices by the split patterns saved in the checkpoint, as for ZeRO 1-3. Names are global, so the
-    pipeline stages are a union; the last stage's copy of a tied embedding equals the first stage's and is
-    left out. Our loaders read nothing else (DeepSpeed's, which also read each mp_rank file's bookkeeping and the
-    optimizer's group settings, are not used)."""
-    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
-    from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
-
-    tp, pp = meta["layout"].get("tp", 1), meta["layout"].get("pp", 1)
-    fragments, zero = os.path.join(out, "tmp"), os.path.join(out, "zero")
-    os.makedirs(out)
-    shapes: dict[str, list] = {}  # name -> its shape on each TP rank
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            name = f"mp_rank_{pp_rank * tp + tp_rank:02d}_model_states.pt"
-            saved = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
-            for param, states in _zero0_states(saved).items():
-                if len(shapes.setdefault(param, [])) > tp_rank:  # taken from an earlier stage (tied embedding)
-                    continue
-                shapes[param].append(states["fp32"].shape)
-                folder = os.path.join(fragments, param, str(tp_rank))
-                os.makedirs(folder, exist_ok=True)
-                for key, value in states.items():
-                    torch.save(value.reshape(-1) if key != "step" else value, os.path.join(folder, f"{key}.00"))
-    for param, per_tp in shapes.items():
-        merge_tp_slices(saved.get(UNIVERSAL_CHECKPOINT_INFO, {}), zero, fragments, tp, (param, per_tp))
-    shutil.rmtree(fragments)
-
-
-def _zero0_states(saved: dict) -> dict[str, dict]:
-    """name -> {fp32, exp_avg, exp_avg_sq, step} of one ZeRO-0 mp_rank file: its module and torch AdamW's
-    state, which is indexed by position: matrices, then vectors, each in the module's order
-    (engine/ds_config.param_groups), checked against every state's shape."""
-    from megatron_lite.engine.ds_config import decays
-
-    buffers = set(saved.get("buffer_names") or ())
-    params = {k: v for k, v in saved["module"].items() if k not in buffers}
-    order = [k for k, v in params.items() if decays(v.shape)] + [k for k, v in params.items() if not decays(v.shape)]
-    optimizer = saved["optimizer"]
-    indices = [i for group in optimizer["param_groups"] for i in group["params"]]
-    assert len(indices) == len(order), f"{len(indices)} optimizer entries for {len(order)} parameters"
-    out = {}
-    for index, name in zip(indices, order):
-        state = optimizer["state"][index]
-        assert state["exp_avg"].shape == params[name].shape, f"optimizer entry {index} is not {name}"
-        out[name] = {
-            "fp32": params[name].float(),
-            "exp_avg": state["exp_avg"].float(),
-            "exp_avg_sq": state["exp_avg_sq"].float(),
-            "step": state["step"],
-        }
-    return out
 
 
 def prepare_universal(path: str, ctx, scratch: str | None = None) -> str:

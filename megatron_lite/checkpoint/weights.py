@@ -5,19 +5,18 @@ step with a fresh optimizer."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
-import sys
 import tempfile
 
 import torch
 
-from megatron_lite.checkpoint import offload, store
-from megatron_lite.checkpoint.loaders import universal_tensor
+from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.store import LATEST, META, atomic_write, read_meta, step_name
 from megatron_lite.checkpoint.universal import convert_to_universal, universal_dir
 from megatron_lite.config import ModelConfig
+from megatron_lite.engine import ds_checkpoint
+from megatron_lite.engine.repairs import nvme_checkpoint
 
 
 def save_model_state(
@@ -62,7 +61,7 @@ def _merged_weights(path: str, meta: dict, model_cfg: ModelConfig) -> dict:
     zero_dir = os.path.join(convert_to_universal(path, universal_dir(path, tempfile.gettempdir())), "zero")
     rows, widths = padded_vocab_size(model_cfg), _widths(path) if meta["layout"].get("tp", 1) == 1 else {}
     return {
-        name: universal_tensor(zero_dir, name, "fp32", rows, widths.get(name))
+        name: ds_checkpoint.universal_tensor(zero_dir, name, "fp32", rows, widths.get(name))
         for name in sorted(os.listdir(zero_dir))
         if os.path.isdir(os.path.join(zero_dir, name))
     }
@@ -101,21 +100,16 @@ def load_model_state(path: str, verify: bool = True) -> tuple[ModelConfig, dict]
     if meta["kind"] == "weights":
         # Memory-mapped: a rank that builds only its share (model/build.py) reads only the tensors it takes.
         return model_cfg, torch.load(os.path.join(path, "model.pt"), weights_only=True, mmap=True)
-    if "deepspeed" not in sys.modules:  # DeepSpeed logs to stdout from its import on, where a tool's output goes
-        with contextlib.redirect_stdout(sys.stderr):  # (generate.py's text): its handler takes stderr instead
-            import deepspeed  # noqa: F401
-    if offload.unrecorded(path, meta):
+    if nvme_checkpoint.unrecorded(path, meta):
         raise ValueError(
             f"{path} was written with zero.offload_optimizer=nvme by a version that did not record where "
             "its swapped weights are (before 2026-11-29); export an earlier checkpoint of another offload"
         )
-    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1 or offload.recorded(path):
+    if meta["layout"].get("tp", 1) > 1 or meta["layout"].get("pp", 1) > 1 or nvme_checkpoint.recorded(path):
         return model_cfg, _merged_weights(path, meta, model_cfg)
     if meta["layout"]["zero_stage"] == 0:
         files = sorted(glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")))
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(path), tag=os.path.basename(path))
+        state = ds_checkpoint.zero_fp32_weights(path)
     return model_cfg, {k: v.float() for k, v in state.items()}

@@ -2,7 +2,7 @@
 thread writes, fsyncs and checksums them, and rank 0 commits once every rank's files are durable.
 
 The protocol is the synchronous one (checkpoint.save, checkpoint/store.py), moved off the loop:
-1. foreground, collective: DeepSpeed's save_checkpoint runs with `StagingEngine` as its checkpoint engine, which
+1. foreground, collective: DeepSpeed's save_checkpoint runs with a staging engine (Engine.save_staged), which
    copies each state dict it is given to host memory (pinned on a GPU) instead of writing it; the RNG streams are
    taken too. This is `ckpt_block_s`.
 2. background, per rank: torch.save every staged file, fsync it and its directory, then write this rank's
@@ -10,8 +10,8 @@ The protocol is the synchronous one (checkpoint.save, checkpoint/store.py), move
 3. background, every rank: a monitored barrier on a gloo group of the writers' own (`checkpoint_group`), once
    its share is written. A rank that died has closed its connections, so the barrier fails at once on the
    others, and so does their next wait(): the job ends and restarts instead of waiting dist.timeout_s for the
-   share, with the loop blocked in wait() where a stop signal only sets a flag (measured before: rank 0 sat
-   there until torchrun's SIGKILL, 30 s after it was told to stop). A rank that hung times the barrier out.
+   share, with the loop blocked in wait() where a stop signal only sets a flag (rank 0 would sit there until
+   torchrun's SIGKILL, 30 s after it was told to stop). A rank that hung times the barrier out.
 4. background, rank 0: wait until every rank's share exists (a rank whose write failed writes none: rank 0
    gives up after dist.timeout_s and commits nothing), write meta.json with the merged manifest, move `latest`,
    prune. Steps 2 to 4 are `ckpt_write_s`.
@@ -32,7 +32,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from megatron_lite.checkpoint import store
 from megatron_lite.checkpoint.store import SHARE_PREFIX
@@ -89,21 +88,6 @@ def to_host(obj, pin: bool, pool: HostPool | None = None, memo: dict | None = No
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(to_host(v, pin, pool, memo) for v in obj)
     return obj
-
-
-class StagingEngine(TorchCheckpointEngine):
-    """A DeepSpeed checkpoint engine that stages instead of writing: `save` keeps (path, host copy)."""
-
-    def __init__(self, pool: HostPool | None = None):
-        super().__init__(config_params=None)
-        self.staged: list[tuple[str, object]] = []
-        self.pool = pool
-
-    def save(self, state_dict, path: str):
-        self.staged.append((path, to_host(state_dict, pin=torch.cuda.is_available(), pool=self.pool)))
-
-    def preserves_storage_sharing(self):
-        return False  # to_host copies each tensor compactly: DeepSpeed need not clone them on the device first
 
 
 def write_file(obj, path: str) -> None:

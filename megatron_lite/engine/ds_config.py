@@ -43,6 +43,15 @@ def async_io_available() -> bool:
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
 
 
+def nvme_swap_dir(ds_config: dict) -> str | None:
+    """The folder a DeepSpeed config swaps to (swap_dir), None when nothing is offloaded to NVMe."""
+    zero = ds_config["zero_optimization"]
+    for kind in ("offload_optimizer", "offload_param"):
+        if zero.get(kind, {}).get("device") == "nvme":
+            return zero[kind]["nvme_path"]
+    return None
+
+
 def _offload(device: str, nvme_path: str, pin: bool) -> dict:
     out = {"device": device, "pin_memory": pin}
     if device == "nvme":
@@ -53,7 +62,7 @@ def _offload(device: str, nvme_path: str, pin: bool) -> dict:
 def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     """Translate our config, at the run's layout (its dp size and resolved precision), into DeepSpeed's JSON
     config. (A checkpoint of another layout loads through our own loaders of the universal form,
-    checkpoint/loaders.py, not DeepSpeed's `load_universal`.)"""
+    engine/repairs/universal_load.py, not DeepSpeed's `load_universal`.)"""
     t, z, o = cfg.train, cfg.zero, cfg.optim
     dp_size = layout.dp
     bf16_params = holds_bf16(layout.precision, z.stage)

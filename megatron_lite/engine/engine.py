@@ -5,7 +5,7 @@ gradient reduction and clipping. We own the micro-batch loop, which is the pipel
 (pipeline/executor.py): DeepSpeed is configured with one accumulation step and unmanaged accumulation
 (engine/ds_config.py), so each chunk's backward (`output.backward(grad)` through the engine's forward) only
 accumulates, the loss carries the 1/m scale, and `step()` after the whole schedule is the one accumulation
-boundary. Where DeepSpeed 0.19 needs help, engine/repairs.py says why.
+boundary. Where DeepSpeed 0.19 needs help, engine/repairs/ says why.
 
 Left out on purpose: fp16 with loss scaling (bf16 covers every GPU this targets), DeepSpeed's own
 PipelineEngine (our pipeline runs chunks through this engine instead).
@@ -23,14 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.config import Config
-from megatron_lite.engine.ds_config import deepspeed_config, param_groups, swap_dir, universal_split_patterns
+from megatron_lite.config import ModelConfig, TrainConfig
+from megatron_lite.engine import ds_checkpoint
+from megatron_lite.engine.ds_config import nvme_swap_dir, param_groups, universal_split_patterns
 from megatron_lite.engine.repairs import (
     forget_run_in_deepspeed_globals,
     honour_explicit_zero3_dtype,
+    nvme_checkpoint,
+    replay_cpu_adam_beta_powers,
     reset_backward_hook_count,
     restore_group_hyperparameters,
     sum_zero3_gradients_over_cp,
+    takes_output_backward,
+    universal_load,
     zero_offload_accumulators,
 )
 from megatron_lite.layout import Layout
@@ -53,29 +58,37 @@ class Engine:
     """One model replica's DeepSpeed engine plus the pipeline executor that runs its micro-batches."""
 
     def __init__(
-        self, cfg: Config, model: torch.nn.Module, ctx: ParallelContext, layout: Layout, ds_config: dict | None = None
+        self,
+        model: torch.nn.Module,
+        ctx: ParallelContext,
+        layout: Layout,
+        ds_config: dict,
+        *,
+        model_cfg: ModelConfig,
+        train: TrainConfig,
     ):
-        """layout: the run's Layout, built once (its precision and schedule resolved). ds_config: the DeepSpeed
-        config a ZeRO-3 model was partitioned with as it was built (engine/zero_init.py), else made here."""
+        """layout: the run's Layout, built once (its precision and schedule resolved). ds_config: DeepSpeed's
+        config for it (engine/ds_config.deepspeed_config: the optimizer and ZeRO groups translated), the one a
+        ZeRO-3 model was partitioned with as it was built (engine/zero_init.py). model_cfg: the model group (the
+        pipeline's message shape, the universal checkpoint's split patterns); train: the train group (grad_clip)."""
         import deepspeed
 
-        self.cfg, self.ctx, self.layout = cfg, ctx, layout
-        if cfg.zero.offload_param == "nvme":
+        self.ctx, self.layout, self.ds_config = ctx, layout, ds_config
+        self.model_cfg, self.grad_clip = model_cfg, train.grad_clip
+        if layout.offload_param == "nvme":
             honour_explicit_zero3_dtype()
-        self.ds_config = ds_config if ds_config is not None else deepspeed_config(cfg, layout)
-        t = cfg.train
         self.accum = self.layout.accumulation  # micro-batches per step on each pipeline
         assert model.tied is not None or not needs_tie(model), "a pipeline's tied embedding: see tie_across_stages"
         # The DeepSpeed engine (optimizer, ZeRO, checkpoints) and the model it wraps (this rank's GPT).
         self.ds_engine, _, _, _ = deepspeed.initialize(
             model=model.to(ctx.device),
-            model_parameters=param_groups(model, cfg.optim.weight_decay),
-            config=self.ds_config,
+            model_parameters=param_groups(model, ds_config["optimizer"]["params"]["weight_decay"]),
+            config=ds_config,
             mpu=ctx.mpu(),
             dist_init_required=False,
         )
         self.model = self.ds_engine.module
-        if cfg.zero.stage == 3:
+        if layout.zero_stage == 3:
             sum_zero3_gradients_over_cp(self.optimizer, ctx.cp_size)
         # Activations (and pipeline messages): bf16 where DeepSpeed holds bf16 parameters; under ZeRO-0's
         # autocast the residual stream stays fp32 (embeddings and norms are fp32 ops there).
@@ -89,8 +102,8 @@ class Engine:
         # ZeRO optimizers take `output.backward(grad)` through the engine's forward (its hooks open and close
         # each backward). DeepSpeed's plain ZeRO-0 optimizer does not, so there the chunks run the module
         # directly, gradients accumulate in .grad, and we average, measure and clip them before the step.
-        self._zero_backward = self.ds_engine._support_torch_style_backward
-        assert self._zero_backward == (cfg.zero.stage > 0), (cfg.zero.stage, type(self.optimizer))
+        self._zero_backward = takes_output_backward(self.ds_engine)
+        assert self._zero_backward == (layout.zero_stage > 0), (layout.zero_stage, type(self.optimizer))
         assert self._zero_backward or all(g["fused"] for g in self.optimizer.param_groups), (
             "ZeRO-0 steps with torch's fused AdamW (ds_config; Engine._step_clipped_unless_nonfinite)"
         )
@@ -106,14 +119,14 @@ class Engine:
         # Their W's, which accumulate the gradients, go through the engine's forward as every backward above.
         self.split_forward = _bf16_autocast(self.model, ctx.device.type) if autocast else self.model
         self.tied = model.tied
-        s_local = cfg.model.seq_len // ctx.cp_size  # pipeline messages hold this rank's share of the sequence
-        s_local = s_local // ctx.tp_size if cfg.parallel.sp and ctx.tp_size > 1 else s_local
+        s_local = model_cfg.seq_len // ctx.cp_size  # pipeline messages hold this rank's share of the sequence
+        s_local = s_local // ctx.tp_size if layout.sp else s_local
         self.executor = PipelineExecutor(
             model.chunks,
             layout.schedule,
             ctx.pp_size,
             ctx.pp_rank,
-            (t.micro_batch_size, s_local, cfg.model.d_model),
+            (layout.micro_batch_size, s_local, model_cfg.d_model),
             self.dtype,
             ctx.device,
             ctx.pp_global_rank,
@@ -192,7 +205,7 @@ class Engine:
 
     def _pipeline_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last virtual stage's mean loss, on every pipeline rank (for logging)."""
-        pp, vpp = self.ctx.pp_size, self.cfg.parallel.vpp
+        pp, vpp = self.ctx.pp_size, self.layout.vpp
         if pp == 1:
             return loss
         out = loss.detach().clone() if loss is not None else torch.zeros((), device=self.ctx.device)
@@ -209,7 +222,7 @@ class Engine:
         optimizer = self.optimizer  # torch's fused AdamW (checked in __init__)
         finite = torch.isfinite(loss).logical_and(torch.isfinite(grad_norm))
         optimizer.found_inf = finite.logical_not().float()
-        clip = self.cfg.train.grad_clip
+        clip = self.grad_clip
         optimizer.grad_scale = ((grad_norm + 1e-6) / clip).clamp(min=1.0).float() if clip > 0 else None
         try:
             self.ds_engine.step()  # also clears the gradients, skipped or not
@@ -265,23 +278,59 @@ class Engine:
         # The universal-format description lets a later job with another layout convert this checkpoint.
         info = {
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-            **universal_split_patterns(self.cfg.model, self.ctx.tp_size),
+            **universal_split_patterns(self.model_cfg, self.ctx.tp_size),
         }
         self.ds_engine.save_checkpoint(root, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: info}, save_latest=False)
 
+    def save_staged(self, root: str, tag: str, copy) -> list[tuple[str, object]]:
+        """What save would write into root/tag, as (path, copy(state)) pairs instead (checkpoint.async_save:
+        copy takes each state to host memory, and a background thread writes them)."""
+        staging, kept = ds_checkpoint.staging_engine(copy), self.ds_engine.checkpoint_engine
+        self.ds_engine.checkpoint_engine = staging
+        try:
+            self.save(root, tag)
+        finally:
+            self.ds_engine.checkpoint_engine = kept
+        return staging.staged
+
+    @property
+    def swaps_optimizer(self) -> bool:
+        """Whether the optimizer states are swapped to NVMe (zero.offload_optimizer=nvme)."""
+        return nvme_checkpoint.swaps_optimizer(self.ds_engine)
+
+    def swap_record(self, path: str, rank: int) -> tuple[str, dict] | None:
+        """Where this rank's record of its NVMe-swapped optimizer states goes in checkpoint `path`, just saved,
+        and the record (engine/repairs/nvme_checkpoint.py); None when nothing is swapped."""
+        return nvme_checkpoint.record(self.ds_engine, path, rank)
+
     def load(self, root: str, tag: str) -> None:
+        """A DeepSpeed checkpoint written at this layout, through DeepSpeed's own load."""
         path, _ = self.ds_engine.load_checkpoint(
             root, tag=tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {os.path.join(root, tag)}")
         restore_group_hyperparameters(self.optimizer, self._group_hparams)
+        replay_cpu_adam_beta_powers(self.optimizer)
+
+    def load_universal(self, zero_dir: str) -> None:
+        """The universal form's full tensors in `zero_dir` (a checkpoint of any layout, stage or precision), by our
+        loader for this ZeRO stage (engine/repairs/universal_load.py)."""
+        universal_load.load_into(self, zero_dir, self.layout.zero_stage)
+        replay_cpu_adam_beta_powers(self.optimizer)
+
+    def load_swapped(self, path: str, rank: int) -> None:
+        """A checkpoint of this layout whose optimizer was swapped to NVMe, as this one's is: every sub-group from
+        this rank's own files (engine/repairs/nvme_checkpoint.py)."""
+        universal_load.load_offloaded(self, path, rank)
+        replay_cpu_adam_beta_powers(self.optimizer)
 
     def close(self) -> None:
         self.ds_engine.destroy()
         forget_run_in_deepspeed_globals(self.model, self.ctx)
-        if "nvme" in (self.cfg.zero.offload_optimizer, self.cfg.zero.offload_param):
-            _remove_own_swap_files(swap_dir(self.cfg), self.ctx.rank)
+        swapped = nvme_swap_dir(self.ds_config)
+        if swapped is not None:
+            _remove_own_swap_files(swapped, self.ctx.rank)
 
 
 def _remove_own_swap_files(folder: str, rank: int) -> None:

@@ -15,16 +15,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_lite.config import ClusterConfig, Config, ModelConfig
+from megatron_lite.config import ClusterConfig, ModelConfig
+from megatron_lite.layout import Layout
 from megatron_lite.metrics.flops import step_flops
 from megatron_lite.pipeline.schedules import v_shaped
 from megatron_lite.plan.hardware import DGX_GPUS, Cluster, gpu_named
-from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.memory import RankMemory, rank_memory
 from megatron_lite.plan.params import rank_params
 from megatron_lite.plan.timing import OURS, StepModel, StepTime, System
 
-__all__ = ["Cluster", "Layout", "Prediction", "cluster_from_config", "planning_precision", "predict", "predict_memory"]
+__all__ = ["Cluster", "Layout", "Prediction", "cluster_from_config", "predict", "predict_memory"]
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,6 @@ def cluster_from_config(c: ClusterConfig, world_size: int | None = None) -> Clus
     )
 
 
-def planning_precision(cfg: Config) -> str:
-    """What the run will compute in on the cluster's GPUs: `auto` means bf16 there."""
-    return "bf16" if cfg.train.precision in ("auto", "bf16") else "fp32"
-
-
 def priced_ranks(model: ModelConfig, layout: Layout) -> list[int]:
     """The pipeline ranks that can hold the peak: with an even split the first (embedding, most micro-batches in
     flight) and the last (head, loss); a middle rank holds what the first does minus the embedding. An uneven
@@ -80,32 +75,34 @@ def priced_ranks(model: ModelConfig, layout: Layout) -> list[int]:
     return sorted({0, layout.pp - 1})
 
 
-def predict_memory(model: ModelConfig, layout: Layout, precision: str = "bf16", cuda: bool = True) -> list[RankMemory]:
+def predict_memory(model: ModelConfig, layout: Layout, cuda: bool = True) -> list[RankMemory]:
     """The memory of every pipeline rank that can hold the peak (cuda=False: the CPU's kernels, for validation)."""
-    return [rank_memory(model, layout, r, precision, cuda) for r in priced_ranks(model, layout)]
+    return [rank_memory(model, layout, r, cuda) for r in priced_ranks(model, layout)]
 
 
 def predict(
     model: ModelConfig,
     layout: Layout,
     cluster: Cluster,
-    precision: str = "bf16",
     system: System = OURS,
     cuda: bool = True,
     ranks: list[RankMemory] | None = None,
 ) -> Prediction:
-    """Memory and time of `layout` for `model` on `cluster`; `ranks`: predict_memory's result, if at hand."""
-    ranks = ranks if ranks is not None else predict_memory(model, layout, precision, cuda)
+    """Memory and time of `layout` (in its precision) for `model` on `cluster`; `ranks`: predict_memory's
+    result, if at hand."""
+    ranks = ranks if ranks is not None else predict_memory(model, layout, cuda)
     pp_layers = list(layout.pp_layers) if layout.pp_layers else None
     params = [
         rank_params(model, layout.tp, layout.pp, layout.vpp, r, pp_layers, v_shaped(layout.schedule)).numel
         for r in priced_ranks(model, layout)
     ]
-    step = StepModel(model, layout, cluster, precision, system).step(params)
+    step = StepModel(model, layout, cluster, system).step(params)
     tokens = layout.global_batch_size * model.seq_len
     flops, _ = step_flops(model, tokens, layout.recompute, layout.recompute_every)
     seconds = step.total_s
-    peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops  # as metrics/flops.peak_flops
+    peak = (
+        cluster.gpu.bf16_flops if layout.precision == "bf16" else cluster.gpu.fp32_flops
+    )  # as metrics/flops.peak_flops
     per_gpu = flops / seconds / layout.world_size
     return Prediction(
         layout=layout,

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.layout import Layout
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import v_shaped
 from megatron_lite.plan import activations as A
-from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.params import chunk_param_count, padded_vocab, rank_params
 from megatron_lite.plan.schedule_memory import most_held, peak_activations
 from megatron_lite.plan.states import zero_states
@@ -50,8 +50,8 @@ class RankMemory:
         return self.states + self.activations + self.step_grads + self.step
 
 
-def micro_shape(cfg: ModelConfig, lay: Layout, precision: str, cuda: bool) -> A.MicroShape:
-    bf16 = precision == "bf16"
+def micro_shape(cfg: ModelConfig, lay: Layout, cuda: bool) -> A.MicroShape:
+    bf16 = lay.precision == "bf16"
     autocast = bf16 and lay.zero_stage == 0  # ZeRO-0 bf16 trains fp32 parameters under autocast (engine.py)
     act = 2 if bf16 else 4
     res = 4 if autocast or not bf16 else 2
@@ -72,11 +72,11 @@ def micro_shape(cfg: ModelConfig, lay: Layout, precision: str, cuda: bool) -> A.
     )
 
 
-def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "bf16", cuda: bool = True) -> RankMemory:
+def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, cuda: bool = True) -> RankMemory:
     """Predicted bytes of pipeline rank `pp_rank` (every tp/cp/dp rank of it alike)."""
     pp_layers = list(lay.pp_layers) if lay.pp_layers else None
     params = rank_params(cfg, lay.tp, lay.pp, lay.vpp, pp_rank, pp_layers, v_shaped(lay.schedule))
-    bf16 = precision == "bf16"
+    bf16 = lay.precision == "bf16"
     st = zero_states(
         params,
         lay.dp * lay.cp,
@@ -88,7 +88,7 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, precision: str = "b
     )
     chunks = rank_chunks(pp_rank, lay.pp, lay.vpp, cfg.n_layers, pp_layers, v_shaped(lay.schedule))
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)
-    x = micro_shape(cfg, lay, precision, cuda)
+    x = micro_shape(cfg, lay, cuda)
 
     buffers = st.buffers + (4 if last else 0)  # the executor keeps the step's last loss (engine.last_stats)
     if cfg.position == "rope":

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.layout import Layout
 from megatron_lite.plan.hardware import GPUS, Cluster
-from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.timing import System
 
 MEGATRON_2021 = System(
@@ -81,9 +81,11 @@ class PublishedRun:
             sp=self.recompute == "selective",
             cp_mode="ring",
             schedule="interleaved" if vpp > 1 else "1f1b",
+            layers_per_stage=(self.layers // (self.pp * vpp),) * (self.pp * vpp),
             zero_stage=1,
             offload_optimizer="none",
             offload_param="none",
+            precision="bf16",
             recompute=self.recompute,
             recompute_every=1,
             micro_batch_size=self.micro_batch,
@@ -157,7 +159,7 @@ def row(run: PublishedRun, pick: bool = True) -> dict:
     from megatron_lite.plan import predict
     from megatron_lite.plan.search import search
 
-    theirs = predict(run.model, run.layout, run.cluster, "bf16", run.system)
+    theirs = predict(run.model, run.layout, run.cluster, run.system)
     predicted = run.in_their_terms(theirs.step.total_s)
     out = {
         "source": run.source,

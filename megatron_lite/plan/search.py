@@ -13,12 +13,12 @@ user can still --check them). Every layout this yields passes validation.validat
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.layout import Layout
 from megatron_lite.plan import Prediction, predict, predict_memory
 from megatron_lite.plan.hardware import Cluster
-from megatron_lite.plan.layout import Layout
 from megatron_lite.plan.timing import OURS, System
 
 MIN_CP_CHUNK = 128  # tokens per cp chunk (each rank holds two)
@@ -37,6 +37,7 @@ class Space:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload: bool = False
     pinned: tuple[tuple[str, object], ...] = ()  # (Layout field, value) pairs every layout must have (--plan key=v)
+    precision: str = "bf16"  # what every layout computes in (train.precision as resolved on a GPU), not varied
 
     def admits(self, layout: Layout) -> bool:
         return all(getattr(layout, name) == value for name, value in self.pinned)
@@ -119,9 +120,11 @@ def _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space) -> Itera
                         sp=sp,
                         cp_mode=mode,
                         schedule="interleaved" if vpp > 1 else "1f1b",
+                        layers_per_stage=(model.n_layers // (pp * vpp),) * (pp * vpp),
                         zero_stage=zero,
                         offload_optimizer=offload,
                         offload_param="none",
+                        precision=space.precision,
                         recompute=recompute,
                         recompute_every=1,
                         micro_batch_size=micro,
@@ -135,7 +138,6 @@ def search(
     model: ModelConfig,
     global_batch: int,
     cluster: Cluster,
-    precision: str = "bf16",
     system: System = OURS,
     space: Space = Space(),
 ) -> list[Prediction]:
@@ -144,31 +146,30 @@ def search(
     fit (memory is the cheaper half), except when none does."""
     world = cluster.world_size
     found = [
-        (lay, predict_memory(model, lay, precision))
-        for lay in layouts(model, global_batch, world, cluster.gpus_per_node, space)
+        (lay, predict_memory(model, lay)) for lay in layouts(model, global_batch, world, cluster.gpus_per_node, space)
     ]
     usable = cluster.usable_bytes
     fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
     if not fitting and not space.offload:
         found += [
-            (lay, predict_memory(model, lay, precision))
+            (lay, predict_memory(model, lay))
             for lay in layouts(
                 model,
                 global_batch,
                 world,
                 cluster.gpus_per_node,
-                Space(space.zero_stages, space.recompute, offload=True, pinned=space.pinned),
+                replace(space, offload=True),
             )
             if lay.offload_optimizer != "none"
         ]
         fitting = [(lay, ranks) for lay, ranks in found if max(r.peak for r in ranks) <= usable]
     if fitting:
         return sorted(
-            (predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in fitting),
+            (predict(model, lay, cluster, system, ranks=ranks) for lay, ranks in fitting),
             key=lambda p: p.step.total_s,
         )
     smallest = sorted(found, key=lambda item: max(r.peak for r in item[1]))[:20]
-    return [predict(model, lay, cluster, precision, system, ranks=ranks) for lay, ranks in smallest]
+    return [predict(model, lay, cluster, system, ranks=ranks) for lay, ranks in smallest]
 
 
 def why_none(model: ModelConfig, global_batch: int, world: int, gpus_per_node: int, space: Space = Space()) -> str:
@@ -193,17 +194,24 @@ def _typed(value) -> str:
 
 
 def fixes(
-    model: ModelConfig, layout: Layout, cluster: Cluster, precision: str = "bf16", system: System = OURS
+    model: ModelConfig, layout: Layout, cluster: Cluster, system: System = OURS
 ) -> list[tuple[list[str], Prediction]]:
-    """Changes of one or two knobs that make `layout` fit, fastest first, as (the overrides, the prediction)."""
+    """Changes of one or two knobs that make `layout` fit (in its precision), fastest first, as (the overrides,
+    the prediction)."""
     world, out = layout.world_size, []
     candidates = [
         lay
-        for lay in layouts(model, layout.global_batch_size, world, cluster.gpus_per_node, Space(offload=True))
+        for lay in layouts(
+            model,
+            layout.global_batch_size,
+            world,
+            cluster.gpus_per_node,
+            Space(offload=True, precision=layout.precision),
+        )
         if _distance(lay, layout) <= 2
     ]
     for lay in candidates:
-        pred = predict(model, lay, cluster, precision, system)
+        pred = predict(model, lay, cluster, system)
         if pred.fits:
             out.append((_changed(layout, lay), pred))
     return sorted(out, key=lambda item: item[1].step.total_s)

@@ -31,13 +31,13 @@ import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.layout import Layout
 from megatron_lite.metrics.flops import layer_flops_per_token
 from megatron_lite.pipeline.partition import stage_layers, virtual_stage
 from megatron_lite.pipeline.schedules import build_schedule, v_shaped
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
 from megatron_lite.plan.activations import head_vocab
 from megatron_lite.plan.hardware import Cluster
-from megatron_lite.plan.layout import Layout
 
 PCIE_BPS = 25e9
 CPU_ADAM_PARAMS_PER_S = 1e9
@@ -135,13 +135,13 @@ class StepModel:
         cfg: ModelConfig,
         layout: Layout,
         cluster: Cluster,
-        precision: str = "bf16",
         system: System = OURS,
         dropout: bool | None = None,
     ):
         self.cfg, self.lay, self.cluster, self.system = cfg, layout, cluster, system
-        self.act = 2 if precision == "bf16" else 4
-        peak = cluster.gpu.bf16_flops if precision == "bf16" else cluster.gpu.fp32_flops
+        bf16 = layout.precision == "bf16"
+        self.act = 2 if bf16 else 4
+        peak = cluster.gpu.bf16_flops if bf16 else cluster.gpu.fp32_flops
         self.flops_per_s = peak * cluster.achievable
         self.hbm = cluster.gpu.hbm_GBps * 1e9
         lay = layout

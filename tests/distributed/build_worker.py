@@ -131,9 +131,15 @@ def check_zero3_partitions() -> None:
         partition, dtype = zero3_partitioner(deepspeed_config(cfg, layout), ctx)
         built = build_model(cfg, ctx, layout, dtype=dtype, partition=partition)
         got = dict(built.named_parameters())
+        # the route before: DeepSpeed splits the whole model
         engine = Engine(
-            cfg, GPT(cfg.model, seed=cfg.seed), ctx, layout
-        )  # the route before: DeepSpeed splits the whole model
+            GPT(cfg.model, seed=cfg.seed),
+            ctx,
+            layout,
+            deepspeed_config(cfg, layout),
+            model_cfg=cfg.model,
+            train=cfg.train,
+        )
         want = dict(engine.model.named_parameters())
         if list(got) != list(want):
             fail(f"zero3 {flavour}: parameter names differ")

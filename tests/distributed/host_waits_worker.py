@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from megatron_lite.cli import exit_process, load
+from megatron_lite.cli import exit_process, resolved
 from megatron_lite.engine import Engine
 from megatron_lite.training import run
 from tests.distributed import worker
@@ -79,7 +79,7 @@ def counted_run(overrides: list[str]) -> dict:
     """worker.py's run, with this run's counts added to its summary."""
     for counter in COUNTS.values():
         counter.clear()
-    return {**run(load(overrides)), "host_waits": {k: dict(v) for k, v in COUNTS.items()}}
+    return {**run(*resolved(overrides)), "host_waits": {k: dict(v) for k, v in COUNTS.items()}}
 
 
 def main(spec_path: str) -> int:

@@ -25,8 +25,8 @@ import os
 import pytest
 
 from megatron_lite.cli import load
+from megatron_lite.layout import Layout
 from megatron_lite.plan import predict_memory
-from megatron_lite.plan.layout import Layout
 from tests.distributed.common import logged_records, overrides, test_corpus
 from tests.distributed.launcher import SCRATCH, clean_shared_memory, rank_env, run_configs
 from tools.plan_validation import LAYOUTS, compare, measure
@@ -79,16 +79,16 @@ def test_mem_peak_gib_is_the_fullest_ranks_peak(tmp_path):
     run_configs(2, [overrides(tmp_path, "mem", *extra)], tmp_path)
     logged = logged_records(f"{tmp_path}/mem")[-1]["mem_peak_gib"]
     cfg = load(overrides(tmp_path, "mem", *extra), world_size=2)
-    predicted = max(r.peak for r in predict_memory(cfg.model, Layout.from_config(cfg, 2), "fp32", cuda=False))
+    predicted = max(r.peak for r in predict_memory(cfg.model, Layout.of_run(cfg, 2), cuda=False))
     assert abs(predicted / (logged * 2**30) - 1) <= TOLERANCE, (predicted, logged * 2**30)
 
 
 @pytest.mark.slow
 def test_zero3_reduction_of_a_model_larger_than_one_bucket():
     """The tiny presets hold fewer parameters than one 5e7-element reduce bucket, where "a bucket" and "the whole
-    model" are the same price: ZeRO-3's reduction copies were priced as the whole model (+8.4% at the peak of this
-    model on the 8192-token vocabulary, 25 GiB too much for llama-7b) until an outside test tried a larger one.
-    States exact, peak within 2% (measured: +1.3% on this 512-token vocabulary, 75M parameters; +0.06% at 8192)."""
+    model" are the same price: pricing ZeRO-3's reduction copies as the whole model puts this model's peak 8.4%
+    high on the 8192-token vocabulary (llama-7b's 25 GiB). States exact, peak within 2% (measured: +1.3% on this
+    512-token vocabulary, 75M parameters; +0.06% at 8192)."""
     big = [
         "model.d_model=1024",
         "model.n_heads=8",

@@ -5,7 +5,7 @@ per-step losses and the final summary to `out` as JSON.
 
 Each run must leave the process as it found it: after every run only the default process group is left, with
 only its gloo threads (a run that kept its groups, or a DeepSpeed global that kept the run, adds threads that
-wake hundreds of times a second: engine/repairs.py forget_run_in_deepspeed_globals). A run that leaves more
+wake hundreds of times a second: engine/repairs forget_run_in_deepspeed_globals). A run that leaves more
 fails here, in whatever test trained it. Except the threads after a compiled run: dynamo installs its compiled
 graphs as globals of the compiled function's module (megatron_lite.model.gpt), where they stay after
 torch._dynamo.reset(), and the graph of a tensor-parallel block holds its process group (measured: one group's
@@ -20,19 +20,19 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from megatron_lite.cli import exit_process, load
+from megatron_lite.cli import exit_process, resolved
 from megatron_lite.training import run
 from tests.distributed.launcher import compiles
 
 
-def main(spec_path: str, train=lambda overrides: run(load(overrides))) -> int:
+def main(spec_path: str, train=lambda overrides: run(*resolved(overrides))) -> int:
     """train(overrides) -> a run's summary (host_waits_worker.py passes one that also counts)."""
     train_spec(spec_path, train)
     dist.destroy_process_group()
     return 0
 
 
-def train_spec(spec_path: str, train=lambda overrides: run(load(overrides))) -> None:
+def train_spec(spec_path: str, train=lambda overrides: run(*resolved(overrides))) -> None:
     """Train the spec's runs one after another; rank 0 writes their results; a barrier ends it."""
     with open(spec_path) as f:
         spec = json.load(f)

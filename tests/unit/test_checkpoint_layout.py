@@ -2,6 +2,7 @@
 does a change of the state format a precision gives), when RNG streams continue, and how a data-stream change
 is named."""
 
+import dataclasses
 import json
 
 from megatron_lite.checkpoint.resume import data_stream_changes
@@ -22,7 +23,6 @@ def run(dp: int, zero_stage: int, pipeline: tuple = (1, 1, ()), tp: int = 1, cp:
     """This job's layout: dp x tp x cp x pp ranks, pipeline (pp, vpp, layers per virtual stage)."""
     pp, vpp, layers = pipeline
     return Layout(
-        world_size=dp * tp * cp * pp,
         dp=dp,
         tp=tp,
         cp=cp,
@@ -53,9 +53,11 @@ def test_layout_changes_convert():
     assert not run(1, 3, cp=2).needs_conversion(saved())  # dp 2 -> dp 1 x cp 2
     # zbv holds stages r and 2pp-1-r on rank r where interleaving holds r and pp+r: other shards per rank
     loop = saved(pp=2, vpp=2, layers_per_stage=[1, 1, 1, 1])
-    v = Layout(**{**loop.__dict__, "v_shape": True})
+    v = dataclasses.replace(loop, schedule="zbv")
     assert v.needs_conversion(loop) and loop.needs_conversion(v) and not v.same_as(loop)
     assert Layout.of_checkpoint({"layout": v.to_meta()}) == v and not v.needs_conversion(v)
+    older = saved(pp=2, vpp=2, layers_per_stage=[1, 1, 1, 1], v_shape=True)  # recorded the V, not the schedule
+    assert older.v_shape and older.same_as(v) and not v.needs_conversion(older)
     assert run(1, 3).needs_conversion(saved(dp=1, cp=2))  # dp 1 x cp 2 -> dp 1
 
 
@@ -82,8 +84,7 @@ def test_layout_round_trips_through_meta_and_owns_the_accumulation():
 
 def test_resume_in_another_precision_converts_where_the_format_differs(tmp_path):
     """bf16 on ZeRO 1-3 writes DeepSpeed's bf16 states; fp32, and bf16 on ZeRO-0 (autocast), write fp32 ones.
-    A resume in the other format goes through the universal form (our loaders read full fp32 tensors); it was
-    refused until 2026-11-29, when DeepSpeed's loader served ZeRO 1-2."""
+    A resume in the other format goes through the universal form (our loaders read full fp32 tensors)."""
 
     def resume(saved_precision: str, saved_stage: int, *overrides: str):
         ckpt = tmp_path / f"{saved_precision}_{saved_stage}"
@@ -101,7 +102,7 @@ def test_resume_in_another_precision_converts_where_the_format_differs(tmp_path)
     resume("fp32", 2, "train.precision=bf16", "zero.stage=2")
 
     def at(precision: str | None, zero_stage: int) -> Layout:
-        return Layout(world_size=2, dp=2, zero_stage=zero_stage, precision=precision, layers_per_stage=(4,))
+        return Layout(dp=2, zero_stage=zero_stage, precision=precision, layers_per_stage=(4,))
 
     for stage in (1, 2, 3):
         assert at("bf16", stage).needs_conversion(at("fp32", stage)), stage

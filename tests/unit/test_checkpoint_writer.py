@@ -11,7 +11,8 @@ import torch
 
 from megatron_lite.checkpoint import writer as checkpoint_writer
 from megatron_lite.checkpoint.store import shard_files
-from megatron_lite.checkpoint.writer import AsyncWriter, StagingEngine, to_host
+from megatron_lite.checkpoint.writer import AsyncWriter, to_host
+from megatron_lite.engine.ds_checkpoint import staging_engine
 
 
 def _files(path, rank):
@@ -84,7 +85,7 @@ def test_staging_copies_tensors_and_keeps_aliasing():
     w.add_(100)  # the training loop updates the parameters after staging
     assert staged["a"].tolist() == list(range(6)) and staged["b"][0] is staged["a"]
     assert staged["b"][1].tolist() == [0.0, 1.0, 2.0] and staged["n"] == 3 and staged["s"] == "x"
-    engine = StagingEngine()
+    engine = staging_engine(lambda state: to_host(state, pin=False))
     engine.save(state, "/nowhere/model.pt")
     assert engine.staged[0][0] == "/nowhere/model.pt" and not engine.preserves_storage_sharing()
     assert json.dumps(engine.staged[0][1]["n"]) == "3"
@@ -94,13 +95,13 @@ def test_staging_buffers_are_reused_after_the_write(tmp_path):
     path = str(tmp_path / "step_0000002")
     writer = AsyncWriter(1, 2, commit_timeout_s=30, log=print)
     state = {"w": torch.randn(4, 5), "m": torch.randn(7)}
-    first = StagingEngine(writer.pool)
+    first = staging_engine(lambda state: to_host(state, pin=False, pool=writer.pool))
     first.save(state, os.path.join(path, "a.pt"))
     buffers = {id(t) for t in first.staged[0][1].values()}
     writer.submit(path, 2, first.staged, commit=None)
     writer.wait()
     state["w"].add_(1.0)
-    second = StagingEngine(writer.pool)
+    second = staging_engine(lambda state: to_host(state, pin=False, pool=writer.pool))
     second.save(state, os.path.join(path, "a.pt"))
     assert {id(t) for t in second.staged[0][1].values()} == buffers  # the same host pages, no new allocation
     assert torch.equal(second.staged[0][1]["w"], state["w"])  # with this save's values

@@ -19,12 +19,13 @@ from omegaconf import OmegaConf
 
 from megatron_lite.cli import checked, compose_config, load
 from megatron_lite.config import ModelConfig
+from megatron_lite.layout import Layout
 from megatron_lite.model.gpt import GPT
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import build_schedule
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
-from megatron_lite.plan import Layout, cluster_from_config, predict
 from megatron_lite.plan import activations as A
+from megatron_lite.plan import cluster_from_config, predict
 from megatron_lite.plan.params import rank_params
 from megatron_lite.plan.schedule_memory import moments
 from megatron_lite.plan.search import fixes, layouts
@@ -188,13 +189,13 @@ def test_check_refuses_a_bad_world_size_in_one_line():
 
 def test_fp32_is_priced_at_the_fp32_peak_the_trainer_runs_at():
     """The trainer leaves TF32 off (torch's default), so fp32 matmuls run at the CUDA-core peak, 19.5 TFLOP/s on an
-    A100, and its MFU is taken against that (metrics/flops.peak_flops). The planner priced fp32 at half the bf16 peak
-    (the TF32 rate): gpt-1.3b at 16 x 2048 tokens in 3.0 s a step, where 2.8e14 FLOPs need 14 s at 100% of the
-    fp32 peak (found from outside)."""
+    A100, and its MFU is taken against that (metrics/flops.peak_flops). Priced at the TF32 rate (half the bf16
+    peak), gpt-1.3b at 16 x 2048 tokens would take 3.0 s a step, where its 2.8e14 FLOPs need 14 s at 100% of the
+    fp32 peak."""
     cfg = load(
         ["model=gpt-1.3b", "train.precision=fp32", "cluster.gpu=a100-40gb", "train.micro_batch_size=1"], world_size=1
     )
-    prediction = predict(cfg.model, Layout.from_config(cfg, 1), cluster_from_config(cfg.cluster, 1), "fp32")
+    prediction = predict(cfg.model, Layout.of_run(cfg, 1, cuda=True), cluster_from_config(cfg.cluster, 1))
     flops = prediction.tflops_per_gpu * 1e12 * prediction.step.total_s
     assert prediction.step.total_s > flops / 19.5e12, prediction.step.total_s
     assert 0 < prediction.mfu <= cfg.cluster.achievable + 1e-9, prediction.mfu
@@ -244,8 +245,8 @@ def test_json_needs_a_mode_and_a_path():
 def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
     """--check's "fastest fix" names every setting it changes, a return to a default included (vpp back to 1,
     recompute back to none, the schedule back to auto, parameter offload off): the user's layout with the fix's
-    overrides loads as exactly the layout the fix was priced for. Before 2026-11-28, 10 of 40 llama-7b layouts
-    on 8 GPUs got a fix that, applied, made another layout (or an invalid config: vpp 2 at pp 1)."""
+    overrides loads as exactly the layout the fix was priced for (a fix that names only what it turns on makes
+    another layout, or an invalid config such as vpp 2 at pp 1)."""
     base = ["model=llama-7b", "train.global_batch_size=32", "train.micro_batch_size=1"]
     composed = compose_config(base)
     cfg = checked(composed, 8)
@@ -267,7 +268,7 @@ def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
     searched = [lay.overrides() for lay in itertools.islice(layouts(cfg.model, 32, 8, 8), 7, None, 211)]
     fixed = 0
     for overrides in odd + searched:
-        user = Layout.from_config(checked(OmegaConf.merge(composed, OmegaConf.from_dotlist(overrides)), 8), 8)
+        user = Layout.of_run(checked(OmegaConf.merge(composed, OmegaConf.from_dotlist(overrides)), 8), 8, cuda=True)
         prediction = predict(cfg.model, user, cluster)
         if prediction.fits:
             continue
@@ -276,7 +277,7 @@ def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
             continue
         changes, priced = found[0]
         applied = checked(OmegaConf.merge(composed, OmegaConf.from_dotlist(overrides + changes)), 8)  # valid
-        assert Layout.from_config(applied, 8) == priced.layout, (overrides, changes)
+        assert Layout.of_run(applied, 8, cuda=True) == priced.layout, (overrides, changes)
         fixed += 1
     assert fixed >= 8, fixed
 

@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19 repairs that one optimizer shows without a process group (engine/repairs.py)."""
+"""DeepSpeed 0.19 repairs that one optimizer shows without a process group (engine/repairs/)."""
 
 import copy
 

@@ -17,33 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpoint import offload
-
-
-def universal_tensor(zero_dir: str, name: str, state: str, vocab_rows: int, width: int | None = None) -> torch.Tensor:
-    """One full fp32 tensor of the universal form (state: fp32, exp_avg or exp_avg_sq), a vocabulary tensor's
-    rows brought to `vocab_rows` (the conversion drops a TP checkpoint's padding rows; padded rows are zero).
-    DeepSpeed's merge of a ZeRO-3 checkpoint at tp 1 saves each tensor bare and flat: `width`, the parameter's
-    last dim when it has two, gives it its rows back."""
-    saved = torch.load(os.path.join(zero_dir, name, f"{state}.pt"), map_location="cpu", weights_only=False)
-    tensor = saved["param"] if isinstance(saved, dict) else saved
-    if tensor.dim() == 1 and width is not None:
-        tensor = tensor.view(-1, width)
-    return with_vocab_rows(name, tensor.float(), vocab_rows)
-
-
-def _rows_and_width(shape: tuple) -> tuple[int, int | None]:
-    """universal_tensor's vocab_rows and width for a parameter of the whole model's `shape`."""
-    return shape[0], shape[1] if len(shape) == 2 else None
-
-
-def with_vocab_rows(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """A vocabulary tensor (the embedding, the head) with `rows` rows: padding rows cut, or zero rows added (the
-    padding depends on tp: model.vocab_multiple x tp); any other tensor as it is."""
-    if name not in ("wte.weight", "lm_head.weight") or tensor.shape[0] == rows:
-        return tensor
-    padding = tensor.new_zeros(max(0, rows - tensor.shape[0]), tensor.shape[1])
-    return torch.cat([tensor[:rows], padding])
+from megatron_lite.engine.ds_checkpoint import rows_and_width, universal_tensor
+from megatron_lite.engine.repairs import nvme_checkpoint
 
 
 def _slots_by_parameter(model) -> dict[int, tuple]:
@@ -64,7 +39,7 @@ def _tp_share(zero_dir: str, model, slot: tuple, key: str, shape) -> torch.Tenso
     from megatron_lite.model.init import local_part
 
     name, module, attr = slot
-    part = local_part(module, attr, universal_tensor(zero_dir, name, key, *_rows_and_width(model.full_shapes[name])))
+    part = local_part(module, attr, universal_tensor(zero_dir, name, key, *rows_and_width(model.full_shapes[name])))
     assert part.shape == shape, f"{name}: universal {key} cuts to {tuple(part.shape)}, the model holds {tuple(shape)}"
     return part
 
@@ -219,7 +194,7 @@ def load_offloaded(engine, path: str, rank: int) -> None:
     load of it copies the swap files back but skips the optimizer file: the in-memory sub-groups kept their
     initial values and every step the build's (measured: the resumed losses 1.1 off)."""
     zero3 = engine.optimizer
-    record = offload.own(path, rank)
+    record = nvme_checkpoint.own(path, rank)
     optim = torch.load(os.path.join(path, record["optim_states"]), map_location="cpu", weights_only=False)
     optim = optim["optimizer_state_dict"]
     for sub_group in range(len(zero3.fp16_groups)):
@@ -227,7 +202,7 @@ def load_offloaded(engine, path: str, rank: int) -> None:
         assert swapped == (sub_group in record["swapped"]), f"sub-group {sub_group} swapped: {swapped} here"
         stored = optim["optimizer_state_dict"]["state"][sub_group]
         if swapped:
-            flats = offload.read_swapped(path, record, sub_group)
+            flats = nvme_checkpoint.read_swapped(path, record, sub_group)
         else:
             flats = {
                 "fp32": optim["fp32_flat_groups"][sub_group],

@@ -9,7 +9,7 @@ offload_rank<r>.pt), and:
 - the conversion (checkpoint/universal.py) puts their tensors back into a copy of each optimizer file
   (`with_states`): a checkpoint of an NVMe-swapped optimizer converts like any other;
 - at the layout it was written with, into a job that swaps too, each rank fills its sub-groups from its own files
-  (checkpoint/loaders.load_offloaded, reading them with `read_swapped`): no conversion.
+  (engine/repairs/universal_load.load_offloaded, reading them with `read_swapped`): no conversion.
 A checkpoint written before the ranks recorded this (2026-11-29) is refused (`unrecorded`).
 """
 
@@ -23,26 +23,26 @@ import torch
 OFFLOADED = "offload_rank{rank:05d}.pt"
 
 
-def swaps_optimizer(engine) -> bool:
-    return bool(engine.ds_engine.zero_nvme_offload_optimizer())
+def swaps_optimizer(ds_engine) -> bool:
+    return bool(ds_engine.zero_nvme_offload_optimizer())
 
 
-def record(engine, path: str, rank: int) -> tuple[str, dict] | None:
+def record(ds_engine, path: str, rank: int) -> tuple[str, dict] | None:
     """Where this rank's record goes in the checkpoint `path` just saved, and the record: the optimizer file its
     swapped states belong in, DeepSpeed's copy of its swap folder, and each swapped sub-group's parameter ids and
     length. None when the optimizer is not swapped to NVMe."""
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
 
-    if not swaps_optimizer(engine):
+    if not swaps_optimizer(ds_engine):
         return None
-    zero3 = engine.optimizer
+    zero3 = ds_engine.optimizer
     swapped = {}
     for sub_group, master in enumerate(zero3.fp32_partitioned_groups_flat):
         if zero3._swappable_optimizer_subgroup(sub_group):
             assert master.dtype == torch.float32, f"sub-group {sub_group}: {master.dtype} masters"
             swapped[sub_group] = (master.ds_id, zero3.fp16_partitioned_groups_flat_numel[sub_group])
     return os.path.join(path, OFFLOADED.format(rank=rank)), {
-        "optim_states": os.path.basename(engine.ds_engine._get_zero_ckpt_name("", "")),
+        "optim_states": os.path.basename(ds_engine._get_zero_ckpt_name("", "")),
         "folder": os.path.join("offloaded_tensors", "rank" + dp_index_to_str(rank)),
         "swapped": swapped,
     }

@@ -1,4 +1,5 @@
-"""Where DeepSpeed 0.19 (pinned < 0.20) does not do what we need, repaired in one place, each with its reason.
+"""Where DeepSpeed 0.19 (pinned < 0.20) does not do what we need, repaired in one place, each with its reason; the
+only code that reaches into DeepSpeed's private attributes and methods.
 
   honour_explicit_zero3_dtype     zero.Init ignores an explicit dtype on the CPU accelerator (NVMe offload)
   reset_backward_hook_count       ZeRO expects a forward before every backward (1F1B's cool-down has none)
@@ -8,6 +9,9 @@
   sum_zero3_gradients_over_cp     ZeRO-3's reduce-scatter averages over the sequence-parallel (cp) ranks
   restore_functional_linear       zero.Init(module=...) leaves its own F.linear in torch for the process's life
   forget_run_in_deepspeed_globals DeepSpeed's module globals keep an ended run's model and process groups
+  takes_output_backward           which of its optimizers take output.backward(grad) is said only in private
+  universal_load.py               its loaders of the universal form cut TP shards and hyperparameters wrongly: ours
+  nvme_checkpoint.py              its checkpoint of an optimizer swapped to NVMe saves the swapped states empty
 
 Each is exercised by a test that fails without it (named in its docstring).
 """
@@ -78,7 +82,7 @@ def sum_zero3_gradients_over_cp(optimizer, cp_size: int) -> None:
 
 
 def restore_group_hyperparameters(optimizer, hparams: list[dict]) -> None:
-    """After a DeepSpeed 0.19 load (the same layout: another goes through our loaders, checkpoint/loaders.py)
+    """After a DeepSpeed 0.19 load (the same layout: another goes through our loaders, engine/repairs/universal_load.py)
     the groups' hyperparameters are the saved optimizer's: a checkpoint of torch's AdamW loaded into DeepSpeed's
     CPU Adam (CPU offload switched on at a resume) lacks its bias_correction, a KeyError at the first step. Put
     this run's back (test_resume.py: offload switched on)."""
@@ -162,3 +166,10 @@ def forget_run_in_deepspeed_globals(model: torch.nn.Module, ctx) -> None:
         for cell in method.__closure__ or ():  # under DeepSpeed's instrument_w_nvtx wrapper
             if hasattr(cell.cell_contents, "cache_clear"):
                 cell.cell_contents.cache_clear()
+
+
+def takes_output_backward(ds_engine) -> bool:
+    """Whether the engine's optimizer takes `output.backward(grad)` through the engine's forward (its hooks open
+    and close each backward): DeepSpeed's ZeRO optimizers do, its plain ZeRO-0 one does not. DeepSpeed 0.19 says
+    so only in a private attribute; Engine.__init__ checks it against the ZeRO stage."""
+    return bool(ds_engine._support_torch_style_backward)
