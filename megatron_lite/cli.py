@@ -284,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_lite.faults.stalls import collective_timed_out, name_stalled
+    from megatron_lite.faults.stragglers import STRAGGLER_EXIT
     from megatron_lite.training import run
 
     try:
-        run(cfg, layout)
+        summary = run(cfg, layout)
     except RunError as err:
         return _one_line(f"error: {err}", 3)
     except RuntimeError as err:  # a collective's timeout: name the rank that stalled, then end like a crash
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return STRAGGLER_EXIT if summary.get("straggler") is not None else 0
 
 
 def exit_process(main_function: Callable[[], int | None]) -> NoReturn:

@@ -226,6 +226,19 @@ class DistConfig:
 
 
 @dataclass
+class FaultsConfig:
+    straggler_ratio: float | None = 1.2
+    """A rank whose busy time (its compute, not its waits in collectives) is this many times the median rank's
+    is the slowest one named in metrics (slowest_rank, slowest_ratio, every train.log_interval steps); null
+    measures nothing."""
+    straggler_intervals: int = 5
+    """Reports in a row the same rank must stay above straggler_ratio before it is warned of (or stopped for)."""
+    straggler_action: str = "warn"
+    """warn (a `warning:` line naming the rank and its host) or stop (checkpoint, then exit 5 with
+    ${run.dir}/straggler.json naming the host, for a requeue that leaves it out)."""
+
+
+@dataclass
 class KernelsConfig:
     backend: str = "auto"
     """auto (Triton on CUDA for the ops measured faster there, kernels.TRITON_FASTER_ON_CUDA; torch elsewhere),
@@ -267,6 +280,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 1234
     """Seed of weights, data order and dropout."""

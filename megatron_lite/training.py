@@ -9,6 +9,7 @@ nothing (engine.py); too many in a row end the run (NonFiniteError).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import random
@@ -30,8 +31,9 @@ from megatron_lite.engine.ds_config import deepspeed_config
 from megatron_lite.engine.repairs import restore_functional_linear
 from megatron_lite.engine.zero_init import zero3_partitioner
 from megatron_lite.errors import RunError
-from megatron_lite.faults import stalls, stop
+from megatron_lite.faults import identity, stalls, stop
 from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
+from megatron_lite.faults.stragglers import STRAGGLER_EXIT, StragglerWatch
 from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
@@ -124,6 +126,7 @@ def _train(cfg: Config, layout: Layout) -> dict:
                 refusal = err
         clear_stale_build_locks()  # before DeepSpeed loads its ops: a killed build's lock would hang us forever
         init_distributed(cfg.dist.timeout_s)
+        identity.publish(dist.get_rank())  # who this rank is, for the reports that name one (faults/identity.py)
         ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
         agree_on_refusal(refusal, cfg.run.dir, ctx.device)
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
@@ -175,6 +178,7 @@ class Trainer:
         self.engine: Engine | None = None
         self.logger: MetricsLogger | None = None
         self.checkpoints: Checkpointer | None = None
+        self.stragglers: StragglerWatch | None = None
         t = cfg.train
         self.profiler = StepProfiler(t.profile_steps, t.profile_ranks, ctx.rank, cfg.run.dir, ctx.device)
         self.stepped = False  # a training step has started: from here an error is a crash, whatever signal came
@@ -197,6 +201,9 @@ class Trainer:
         stop.install()  # train.py installed it before any import; other callers (tests, tools) get it here
         seed_all(cfg.seed)  # the default streams (dropout); weights come from the keyed init, see model/init.py
         self.checkpoints = Checkpointer(cfg, ctx, self.layout)
+        f = cfg.faults
+        if ctx.world_size > 1 and f.straggler_ratio is not None:  # before the engine: DeepSpeed keeps collectives
+            self.stragglers = StragglerWatch(f.straggler_ratio, f.straggler_intervals, ctx.device)
         self.engine = self._build_engine()
         meta = self.checkpoints.load(self.engine)
         self.start_step, consumed = (meta["step"], meta["consumed_samples"]) if meta else (0, 0)
@@ -367,7 +374,7 @@ class Trainer:
         if stop.agreed(ctx.device):  # a signal during start-up: nothing has trained, so nothing to save
             self.logger.print(f"stop signal during start-up: exiting before step {self.start_step + 1}, nothing saved")
             return {"losses": [], "grad_norms": [], "last_step": self.start_step, "stopped": True}
-        losses, grad_norms, step, stopped = [], [], self.start_step, False
+        losses, grad_norms, step, stopped, straggler = [], [], self.start_step, False, None
         in_row = 0  # updates skipped in a row for a non-finite loss or gradient norm (self.skipped_total: in all)
         for step in range(self.start_step + 1, cfg.train.steps + 1):
             self.stepped = True
@@ -378,12 +385,14 @@ class Trainer:
             if self.data.val is not None and _evaluates(step, cfg.train):
                 record.update(self.evaluate())
             fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
-            stopped = not fatal and stop.agreed(ctx.device)
+            straggler = self._stragglers(step, record)  # a Report calling for a stop (the same on every rank)
+            stopped = not fatal and (straggler is not None or stop.agreed(ctx.device))
             interval = cfg.checkpoint.interval
             if not fatal and (stopped or step == cfg.train.steps or (interval and step % interval == 0)):
                 record.update(self.save(step))
             last = stopped or fatal or step == cfg.train.steps
-            self.checkpoints.after_step(record, last, reason="stop signal" if stopped else "end of the run")
+            reason = "straggler" if straggler is not None else "stop signal" if stopped else "end of the run"
+            self.checkpoints.after_step(record, last, reason=reason)
             self.logger.log(step, record)
             stalls.note_step(step)
             losses.append(outcome.loss)
@@ -401,15 +410,52 @@ class Trainer:
                         f"before step {step - in_row + 1}); resume from the last checkpoint with a lower optim.lr or "
                         "other data"
                     )
+            if straggler is not None:
+                self._stop_for(straggler, step)
+                break
             if stopped:
                 self.logger.print(f"stop signal: saved at step {step}; resume with checkpoint.resume=auto")
                 break
-        return {"losses": losses, "grad_norms": grad_norms, "last_step": step, "stopped": stopped}
+        summary = {"losses": losses, "grad_norms": grad_norms, "last_step": step, "stopped": stopped}
+        return summary if straggler is None else {**summary, "straggler": straggler.slowest_rank}
+
+    def _stragglers(self, step: int, record: dict):
+        """Every train.log_interval steps (and at the last), every rank's busy time gathered and judged: the
+        slowest rank and its ratio go into the record, a straggler is warned of; returns the report when
+        faults.straggler_action=stop calls for a stop (faults/stragglers.py)."""
+        cfg = self.cfg
+        if self.stragglers is None or (step % cfg.train.log_interval and step != cfg.train.steps):
+            return None
+        report = self.stragglers.report()
+        record.update(report.metrics())
+        self.logger.histogram("rank_busy_s", report.busy_s, step)
+        if not report.flagged:
+            return None
+        if cfg.faults.straggler_action == "stop":
+            return report
+        self.logger.print(f"warning: at step {step}, {report.message(cfg.faults.straggler_ratio)}")
+        return None
+
+    def _stop_for(self, report, step: int) -> None:
+        """faults.straggler_action=stop, once the checkpoint of `step` is saved: say so, and leave
+        ${run.dir}/straggler.json naming the rank and its host for the launcher (slurm/train.sbatch)."""
+        if not self.ctx.is_rank0:
+            return
+        who = identity.of(report.slowest_rank)
+        with open(os.path.join(self.cfg.run.dir, "straggler.json"), "w") as f:
+            json.dump({**who.to_json(), "ratio": report.ratio, "step": step}, f)
+        self.logger.print(
+            f"straggler: at step {step}, {report.message(self.cfg.faults.straggler_ratio)}; saved and stopped "
+            f"(exit {STRAGGLER_EXIT}); resume with checkpoint.resume=auto, without host {who.host} "
+            "(slurm/train.sbatch requeues leaving it out)"
+        )
 
     def step(self, step: int) -> tuple[dict, StepOutcome]:
         """One optimizer step over the global batch, and its metrics record."""
         cfg, ctx = self.cfg, self.ctx
         self.memory.take()  # mem_peak_gib is this step's: not the evaluation's or the save's before it
+        if self.stragglers is not None:
+            self.stragglers.start_step()
         t0, lr = time.perf_counter(), lr_at(step - 1, cfg)
         outcome = self.engine.train_step(self.batches.next_step(), lr, step)
         if step == self.start_step + 1:  # start-up and the first step's warm-up are done: a hang now ends the job soon
@@ -417,6 +463,8 @@ class Trainer:
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        if self.stragglers is not None:  # the run's first step (warm-up, compilation) is no rank's measure
+            self.stragglers.end_step(dt, counted=step > self.start_step + 1)
         bubble = _pipeline_bubble(self.engine.last_stats, ctx)
         record = {
             "step": step,
@@ -471,6 +519,7 @@ class Trainer:
         process's torch as the run found it. After a failure an error while closing is only reported: it must not
         hide the error that ended the run."""
         for part, close in (
+            (self.stragglers, lambda: self.stragglers.close()),
             (self.profiler, lambda: self.profiler.close()),
             (self.logger, lambda: self.logger.close(failed)),
             (self.engine, lambda: self.engine.close()),

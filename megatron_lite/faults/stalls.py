@@ -6,7 +6,7 @@ a grace period for the others to say so too: all live ranks block at about the s
 within about one timeout of each other. The ranks that never report are the ones that hung or died. Every
 rank also notes there the last step it finished (one store write a step: a few microseconds on one host,
 one round trip to the store's host otherwise), so the message
-says where each of them stopped. If the store itself is gone (under srun, when rank 0 is the one that hung or
+says where each of them stopped, and who it is (faults/identity.py: rank, host, local rank). If the store itself is gone (under srun, when rank 0 is the one that hung or
 died), the message says that instead.
 """
 
@@ -18,6 +18,8 @@ import re
 import time
 
 import torch.distributed as dist
+
+from megatron_lite.faults import identity
 
 _PREFIX = "megatron_lite/stalls"
 
@@ -79,7 +81,7 @@ def name_stalled(grace_s: float) -> tuple[int, str]:
             "a collective timed out but every rank reported in: none is stuck, a step was only "
             "slower than the timeout; raise dist.step_timeout_s"
         )
-    named = ", ".join(f"rank {r} (last finished step {last[r]})" for r in stalled)
+    named = ", ".join(identity.of(r).named(f"last finished step {last[r]}") for r in stalled)
     live_steps = sorted({last[r] for r in alive})
     return min(alive), (
         f"a collective timed out: {named} did not report within {grace_s:.0f} s, so it hung or "

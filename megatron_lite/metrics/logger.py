@@ -71,6 +71,8 @@ def _status_line(step: int, total: int, m: dict) -> str:
         parts.append(f"bubble {100 * m['bubble']:.1f}%")
     if isinstance(m.get("mem_peak_gib"), (int, float)):
         parts.append(f"mem {m['mem_peak_gib']:.2f} GiB")
+    if isinstance(m.get("slowest_ratio"), (int, float)):
+        parts.append(f"slowest rank {m['slowest_rank']} {m['slowest_ratio']:.2f}x")
     if m.get("skipped_steps"):
         parts.append(f"skipped {m['skipped_steps']}")
     if m.get("restarts"):
@@ -238,6 +240,13 @@ class MetricsLogger:
             self._progress.update(self._task, completed=step, status=line.split("  ", 1)[-1])
         else:
             print(line, flush=True)
+
+    def histogram(self, key: str, values: list[float], step: int) -> None:
+        """wandb only: a histogram of one value per rank (metrics.jsonl keeps the summary, not world-size lists)."""
+        if self.enabled and self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Histogram(values)}, step=step)
 
     def print(self, message: str) -> None:
         """A rank-0 message printed above the progress bar (or as a plain line)."""

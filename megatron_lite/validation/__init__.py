@@ -19,7 +19,7 @@ from megatron_lite.validation.cluster import check_cluster
 from megatron_lite.validation.data import check_data
 from megatron_lite.validation.model import check_model
 from megatron_lite.validation.parallel import check_context_parallel, check_grid, check_pipeline
-from megatron_lite.validation.run import check_run
+from megatron_lite.validation.run import check_faults, check_run
 from megatron_lite.validation.train import check_optim, check_train
 from megatron_lite.validation.zero import check_offload_support, check_zero
 
@@ -79,3 +79,4 @@ def validate(cfg: Config, world_size: int) -> None:
     check_optim(cfg.optim)
     check_data(cfg)
     check_run(cfg)
+    check_faults(cfg)

@@ -1,7 +1,9 @@
-"""seed, checkpoint.*, run.dir, logging.* and kernels.*: what the run writes, where, and what it runs with."""
+"""seed, checkpoint.*, run.dir, logging.*, kernels.* and faults.*: what the run writes, where, what it runs with,
+and what it does about a slow rank."""
 
 from __future__ import annotations
 
+import math
 import os
 
 from megatron_lite.checkpoint.store import meta_problem
@@ -42,3 +44,18 @@ def check_run(cfg: Config) -> None:
             "needs a GPU, or Triton's CPU interpreter (slow; for tests)",
             "use kernels.backend=auto, or export TRITON_INTERPRET=1 before starting",
         )
+
+
+def check_faults(cfg: Config) -> None:
+    f = cfg.faults
+    ratio = f.straggler_ratio
+    if ratio is not None and not (math.isfinite(ratio) and ratio > 1):
+        fail(
+            "faults.straggler_ratio",
+            ratio,
+            "must be a number > 1 (a rank's busy time over the median rank's)",
+            "use e.g. 1.2, or null to measure nothing",
+        )
+    if f.straggler_intervals < 1:
+        fail("faults.straggler_intervals", f.straggler_intervals, "must be >= 1 (reports in a row)", "use e.g. 5")
+    choice("faults.straggler_action", f.straggler_action, ("warn", "stop"))

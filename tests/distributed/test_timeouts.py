@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -62,7 +63,11 @@ def test_hung_rank_ends_the_job_within_the_step_timeout(tmp_path):
     assert len(steps) >= 3
     # rank 0 names the rank that stalled and the last step it finished (a step rank 0 logged too, or the one
     # before: rank 1 stopped somewhere between two heartbeats)
-    named = re.search(r"a collective timed out: rank 1 \(last finished step (\d+)\) did not report", err)
+    host = socket.gethostname()
+    named = re.search(
+        rf"a collective timed out: rank 1 \(host {re.escape(host)}, local rank 1; last finished step (\d+)\) did not report",
+        err,
+    )
     assert named, err[-3000:]
     assert steps[-1] - 1 <= int(named.group(1)) <= steps[-1], (named.group(0), steps)
     assert "rank 0 (" not in err, err[-3000:]

@@ -42,11 +42,11 @@ TRAIN = [
 ]
 
 
-def submit(cluster, run_dir: str, *overrides: str, **env: str) -> str:
+def submit(cluster, run_dir: str, *overrides: str, nodes: str = "2", tasks: str = "1", **env: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     args = [
-        "--nodes=2",
-        "--ntasks-per-node=1",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={tasks}",
         f"--output={run_dir}/slurm.out",
         "--job-name=ci",
         os.path.join(ROOT, "slurm/train.sbatch"),
@@ -176,4 +176,29 @@ def test_scancel_checkpoints_and_ends_the_job_for_good(cluster, uninterrupted, t
     assert stopped < STEPS and [r["step"] for r in records] == list(range(1, stopped + 1)), out[-3000:]
     root = os.path.join(run_dir, "checkpoints")
     assert latest_checkpoint(root) == os.path.join(root, step_name(stopped))
+    losses_match(records, uninterrupted()[1])
+
+
+@pytest.mark.slow
+def test_a_straggler_stop_requeues_the_job_without_its_node(cluster, uninterrupted, tmp_path):
+    """Two ranks on one node, one of them stopped and continued from outside (half its time stopped) with
+    faults.straggler_action=stop: every rank checkpoints and exits 5, the script adds the node to the job's
+    ExcNodeList and requeues it, and the job resumes on the other node and finishes, each step logged once with
+    the uninterrupted job's loss (a straggler stop is a stop, not a crash)."""
+    from tests.distributed.test_stragglers import duty_cycle, rank_pid
+
+    run_dir = str(tmp_path / "straggler")
+    watch = ["train.log_interval=2", "faults.straggler_ratio=1.5", "faults.straggler_intervals=3"]
+    job = submit(cluster, run_dir, *watch, "faults.straggler_action=stop", nodes="1", tasks="2")
+    wait_for_step(run_dir, 2, cluster, job)
+    ranks = subprocess.run(["pgrep", "-f", f"train.py run.dir={run_dir} "], capture_output=True, text=True)
+    with duty_cycle(rank_pid([int(p) for p in ranks.stdout.split()], 1)):
+        while not os.path.exists(os.path.join(run_dir, "straggler.json")):
+            assert "RUNNING" in cluster.state(job) or "PENDING" in cluster.state(job), cluster.state(job)
+            time.sleep(0.2)
+    records, out = finish(cluster, job, run_dir)
+    left_out = re.search(r"after a straggler stop, leaving out node (\S+)\)", out)
+    nodes = re.findall(r"node\(s\) x 2 task\(s\), 0 GPU\(s\) per node, nodes (\S+),", out)
+    assert left_out and len(nodes) == 2 and nodes[0] == left_out.group(1) != nodes[1], out[-3000:]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), out[-3000:]
     losses_match(records, uninterrupted()[1])
