@@ -176,6 +176,7 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     """`--plan`: every layout of the model and batch on the cluster, ranked; the top ones as a table."""
     from megatron_lite.layout import resolve_precision
     from megatron_lite.plan import cluster_from_config
+    from megatron_lite.plan.measured import step_error
     from megatron_lite.plan.report import plan_table, write_json
     from megatron_lite.plan.search import PINNABLE, UNSEARCHED, Space, search, why_none
 
@@ -205,7 +206,7 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     space = Space(pinned=pinned, precision=resolve_precision(cfg.train.precision, cuda=True))
     found = search(cfg.model, cfg.train.global_batch_size, cluster, space=space)
     if json_path:
-        write_json(json_path, found)
+        write_json(json_path, found, step_error(cluster.gpu.name)[0])
     if not found:
         return _one_line(
             "config error: "

@@ -9,7 +9,6 @@ nothing (engine.py); too many in a row end the run (NonFiniteError).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import random
@@ -33,7 +32,7 @@ from megatron_lite.engine.zero_init import zero3_partitioner
 from megatron_lite.errors import RunError
 from megatron_lite.faults import identity, stalls, stop
 from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
-from megatron_lite.faults.stragglers import STRAGGLER_EXIT, StragglerWatch
+from megatron_lite.faults.stragglers import StragglerWatch
 from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite.layout import Layout
 from megatron_lite.lr_schedule import lr_at, schedule_change
@@ -203,7 +202,7 @@ class Trainer:
         self.checkpoints = Checkpointer(cfg, ctx, self.layout)
         f = cfg.faults
         if ctx.world_size > 1 and f.straggler_ratio is not None:  # before the engine: DeepSpeed keeps collectives
-            self.stragglers = StragglerWatch(f.straggler_ratio, f.straggler_intervals, ctx.device)
+            self.stragglers = StragglerWatch(f, ctx.device)
         self.engine = self._build_engine()
         meta = self.checkpoints.load(self.engine)
         self.start_step, consumed = (meta["step"], meta["consumed_samples"]) if meta else (0, 0)
@@ -385,7 +384,8 @@ class Trainer:
             if self.data.val is not None and _evaluates(step, cfg.train):
                 record.update(self.evaluate())
             fatal = bool(outcome.skipped) and in_row >= cfg.train.max_skipped_in_row > 0  # the same on every rank
-            straggler = self._stragglers(step, record)  # a Report calling for a stop (the same on every rank)
+            if self.stragglers is not None and (step % cfg.train.log_interval == 0 or step == cfg.train.steps):
+                straggler = self.stragglers.judge(step, record, self.logger)  # a stop's Report, on every rank
             stopped = not fatal and (straggler is not None or stop.agreed(ctx.device))
             interval = cfg.checkpoint.interval
             if not fatal and (stopped or step == cfg.train.steps or (interval and step % interval == 0)):
@@ -411,44 +411,13 @@ class Trainer:
                         "other data"
                     )
             if straggler is not None:
-                self._stop_for(straggler, step)
+                self.stragglers.say_stopped(straggler, step, cfg.run.dir, self.logger, ctx.is_rank0)
                 break
             if stopped:
                 self.logger.print(f"stop signal: saved at step {step}; resume with checkpoint.resume=auto")
                 break
         summary = {"losses": losses, "grad_norms": grad_norms, "last_step": step, "stopped": stopped}
         return summary if straggler is None else {**summary, "straggler": straggler.slowest_rank}
-
-    def _stragglers(self, step: int, record: dict):
-        """Every train.log_interval steps (and at the last), every rank's busy time gathered and judged: the
-        slowest rank and its ratio go into the record, a straggler is warned of; returns the report when
-        faults.straggler_action=stop calls for a stop (faults/stragglers.py)."""
-        cfg = self.cfg
-        if self.stragglers is None or (step % cfg.train.log_interval and step != cfg.train.steps):
-            return None
-        report = self.stragglers.report()
-        record.update(report.metrics())
-        self.logger.histogram("rank_busy_s", report.busy_s, step)
-        if not report.flagged:
-            return None
-        if cfg.faults.straggler_action == "stop":
-            return report
-        self.logger.print(f"warning: at step {step}, {report.message(cfg.faults.straggler_ratio)}")
-        return None
-
-    def _stop_for(self, report, step: int) -> None:
-        """faults.straggler_action=stop, once the checkpoint of `step` is saved: say so, and leave
-        ${run.dir}/straggler.json naming the rank and its host for the launcher (slurm/train.sbatch)."""
-        if not self.ctx.is_rank0:
-            return
-        who = identity.of(report.slowest_rank)
-        with open(os.path.join(self.cfg.run.dir, "straggler.json"), "w") as f:
-            json.dump({**who.to_json(), "ratio": report.ratio, "step": step}, f)
-        self.logger.print(
-            f"straggler: at step {step}, {report.message(self.cfg.faults.straggler_ratio)}; saved and stopped "
-            f"(exit {STRAGGLER_EXIT}); resume with checkpoint.resume=auto, without host {who.host} "
-            "(slurm/train.sbatch requeues leaving it out)"
-        )
 
     def step(self, step: int) -> tuple[dict, StepOutcome]:
         """One optimizer step over the global batch, and its metrics record."""

@@ -85,7 +85,7 @@ def worker(pairs: int, overrides: list[str], out: str | None) -> None:
     timed_step(None)
     calls.uninstall()
     times = {"off": [], "on": []}
-    watch = StragglerWatch(cfg.faults.straggler_ratio or 1.2, 5, ctx.device)
+    watch = StragglerWatch(cfg.faults, ctx.device)
     watch.close()  # installed only for its own steps
     for i in range(pairs):
         for side in ("off", "on") if i % 2 == 0 else ("on", "off"):

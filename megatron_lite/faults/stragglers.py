@@ -22,6 +22,8 @@ Every rank gets the same gathered numbers, so every rank takes the same decision
 from __future__ import annotations
 
 import functools
+import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -178,10 +180,16 @@ def judge(
 
 
 class StragglerWatch:
-    """One rank's busy time, gathered and judged every `interval` steps (see the module docstring)."""
+    """One rank's busy time, gathered and judged every train.log_interval steps (see the module docstring)."""
 
-    def __init__(self, threshold: float, intervals: int, device: torch.device):
-        self.threshold, self.intervals, self.device = threshold, intervals, device
+    def __init__(self, faults, device: torch.device):
+        """faults: the config's faults group (straggler_ratio, straggler_intervals, straggler_action)."""
+        self.threshold, self.intervals, self.action = (
+            faults.straggler_ratio,
+            faults.straggler_intervals,
+            faults.straggler_action,
+        )
+        self.device = device
         self.clock = CollectiveClock(device)
         self.clock.install()
         self._busy, self._streak = 0.0, (None, 0)
@@ -208,3 +216,30 @@ class StragglerWatch:
 
     def close(self) -> None:
         self.clock.uninstall()
+
+    def judge(self, step: int, record: dict, logger) -> Report | None:
+        """Collective, at a report's step: the slowest rank and its ratio into the step's `record`, every rank's
+        busy time to wandb (logger: the run's MetricsLogger), a straggler warned of; returns the report when
+        faults.straggler_action=stop calls for a stop (the same on every rank)."""
+        report = self.report()
+        record.update(report.metrics())
+        logger.histogram("rank_busy_s", report.busy_s, step)
+        if not report.flagged:
+            return None
+        if self.action == "stop":
+            return report
+        logger.print(f"warning: at step {step}, {report.message(self.threshold)}")
+        return None
+
+    def say_stopped(self, report: Report, step: int, run_dir: str, logger, is_rank0: bool) -> None:
+        """After the stop's checkpoint of `step`: rank 0 says so and leaves run_dir/straggler.json naming the rank
+        and its host for the launcher (slurm/train.sbatch requeues the job without that node)."""
+        if not is_rank0:
+            return
+        who = identity.of(report.slowest_rank)
+        with open(os.path.join(run_dir, "straggler.json"), "w") as f:
+            json.dump({**who.to_json(), "ratio": report.ratio, "step": step}, f)
+        logger.print(
+            f"straggler: at step {step}, {report.message(self.threshold)}; saved and stopped (exit {STRAGGLER_EXIT}); "
+            f"resume with checkpoint.resume=auto, without host {who.host} (slurm/train.sbatch requeues leaving it out)"
+        )

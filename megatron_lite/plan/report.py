@@ -38,12 +38,19 @@ def _where(p: Prediction) -> str:
 
 
 def check_line(p: Prediction, cluster: Cluster) -> str:
-    """`--check` on success: the layout, memory against the GPU's, step time, throughput, MFU."""
+    """`--check` on success: the layout, memory against the GPU's, step time (with the planner's measured error on
+    this GPU: plan/measured.py), throughput, MFU."""
+    from megatron_lite.plan.measured import step_error
+
+    error, measured = step_error(cluster.gpu.name)
+    trust = f"its step time off by up to {100 * error:.0f}% on {cluster.gpu.name}" + (
+        "" if measured else ", unvalidated"
+    )
     return (
         f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
         f"{p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
         f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
-        "(predicted: docs/performance.md 'Choosing a layout')"
+        f"(predicted, {trust}: docs/performance.md 'Choosing a layout')"
     )
 
 
@@ -96,13 +103,32 @@ def row(p: Prediction) -> dict:
     }
 
 
-def write_json(path: str, predictions: list[Prediction]) -> None:
+def write_json(path: str, predictions: list[Prediction], error: float | None = None) -> None:
+    """The predictions as JSON rows; with `error` (the planner's measured step-time error on the GPU), each says
+    whether it is within that of the fastest that fits."""
+    near = near_best(predictions, error) if error is not None else [None] * len(predictions)
     with open(path, "w") as f:
-        json.dump([row(p) for p in predictions], f, indent=1)
+        rows = [
+            row(p) if close is None else dict(row(p), within_error_of_best=close) for p, close in zip(predictions, near)
+        ]
+        json.dump(rows, f, indent=1)
+
+
+def near_best(predictions: list[Prediction], error: float) -> list[bool]:
+    """For each prediction (fastest first), whether it fits and its step time is within `error` (the planner's
+    measured step-time error on the GPU: plan/measured.py) of the fastest that fits: the planner cannot tell
+    such layouts apart."""
+    best = next((p.step.total_s for p in predictions if p.fits), None)
+    return [best is not None and p.fits and p.step.total_s <= best * (1 + error) for p in predictions]
 
 
 def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str:
-    """The `--plan` table: the fastest layouts that fit, each with the override line that runs it."""
+    """The `--plan` table: the fastest layouts that fit, each with the override line that runs it, those the
+    planner cannot tell from the first marked ≈ (its measured error on this GPU: plan/measured.py)."""
+    from megatron_lite.plan.measured import step_error
+
+    error, measured = step_error(cluster.gpu.name)
+    near = near_best(predictions, error)
     fitting = [p for p in predictions if p.fits]
     where = (
         f"{cluster.nodes} x {cluster.gpus_per_node} {cluster.gpu.name} ({cluster.usable_bytes / GIB:.1f} GiB "
@@ -115,7 +141,7 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
     ]
     header = (
         f"{'#':>3} {'tp':>3} {'sp':>3} {'cp':>3} {'pp':>4} {'vpp':>3} {'dp':>5} {'zero':>4} {'recompute':>9} "
-        f"{'micro':>5} {'GiB':>6} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>6}"
+        f"{'micro':>5} {'GiB':>6} {'step s':>8} {'tokens/s':>11} {'TFLOP/s':>7} {'MFU':>6} {'':>2}"
     )
     lines += [header, "-" * len(header)]
     for i, p in enumerate(predictions[:top], 1):
@@ -125,13 +151,27 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
         lines.append(
             f"{i:>3} {lay.tp:>3} {'y' if lay.sp else '-':>3} {cp:>3} {lay.pp:>4} {lay.vpp:>3} {lay.dp:>5} "
             f"{zero:>4} {lay.recompute:>9} {lay.micro_batch_size:>5} {p.memory_bytes / GIB:>6.1f} "
-            f"{p.step.total_s:>8.3g} {p.tokens_per_s:>11,.0f} {p.tflops_per_gpu:>7.0f} {100 * p.mfu:>5.1f}%"
+            f"{p.step.total_s:>8.3g} {p.tokens_per_s:>11,.0f} {p.tflops_per_gpu:>7.0f} {100 * p.mfu:>5.1f}% "
+            f"{'≈' if near[i - 1] and i > 1 else '':>2}"
         )
         lines.append(f"      {' '.join(lay.overrides())}")
     lines.append(
         "cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
         "(docs/performance.md 'Choosing a layout')."
     )
+    if fitting:
+        basis = (
+            f"the largest error of its step time measured on {cluster.gpu.name} (plan/measured.py)"
+            if measured
+            else f"the largest error measured on any GPU: {cluster.gpu.name} is not validated"
+        )
+        close = sum(near)
+        lines.append(
+            f"≈: within {100 * error:.0f}% of #1's step time, {basis}; the planner cannot rank the {close:,} "
+            "layouts that close against each other: measure the ones you would run."
+            if close > 1
+            else f"No other layout is within {100 * error:.0f}% of #1's step time ({basis})."
+        )
     if not fitting:
         lines.append(
             f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "
