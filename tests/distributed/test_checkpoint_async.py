@@ -70,7 +70,7 @@ def test_exact_resume_from_an_async_checkpoint_pp2_tp2(tmp_path):
 @pytest.mark.slow
 def test_async_checkpoint_converts_for_another_dp_size(tmp_path):
     """An asynchronous checkpoint written at dp=2 (ZeRO-2) resumes at dp=1 through the universal conversion,
-    continuing the uninterrupted run within 1e-4 (as the synchronous elastic resumes in test_resume.py)."""
+    continuing the uninterrupted run within 1e-4 (as the synchronous elastic resumes in test_resharding.py)."""
     (straight,) = run_configs(
         2, [overrides(tmp_path, "dp2", *STEPS8, "checkpoint.interval=4", "zero.stage=2", *ASYNC)], tmp_path
     )

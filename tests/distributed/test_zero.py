@@ -34,7 +34,7 @@ def reference(tmp_path_factory):
 
 
 # `slow` (make test-fast skips it): the quick tier keeps one case per feature: every stage on 2 ranks, CPU
-# offload of optimizer and parameters together; TP x ZeRO is in the quick tier through test_resume.py and
+# offload of optimizer and parameters together; TP x ZeRO is in the quick tier through test_resharding.py and
 # test_kernels_training.py.
 @pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_stages_match_single_process(nproc, reference, tmp_path):
