@@ -281,8 +281,12 @@ def run_case(
     t_start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(0)
+    predicted = None
     if side.startswith("ours"):
         model_cfg, step = _ours(preset, micro, seq, side)
+        from megatron_lite.plan.measured import predict_run
+
+        predicted = predict_run(side_overrides(preset, micro, seq, side)[0])  # cluster.gpu=auto: this GPU
     else:
         base, accumulate = side.split("-")[0], global_batch(side, micro) // micro
         known = base in ("hf", "compiled") and side in (base, f"{base}-global{micro * accumulate}")
@@ -325,6 +329,16 @@ def run_case(
         "setup_s": round(setup_s, 1),
         "warmup_s": round(warmup_s, 1),
         "timed_steps": steps,
+        # the planner's figures for the same run (plan/measured.py): how far its step time is off on this GPU
+        **(
+            {
+                "predicted_step_s": round(predicted.step.total_s, 5),
+                "predicted_error": round(predicted.step.total_s / step_s - 1, 4),
+                "predicted_peak_gib": round(predicted.memory_bytes / 2**30, 2),
+            }
+            if predicted is not None
+            else {}
+        ),
     }
 
 

@@ -31,12 +31,13 @@ def markdown(record: dict) -> str:
     lines += [
         "## Training throughput, bf16, one GPU",
         "",
-        "| model | b x s | side | step (ms) | tokens/s | TFLOP/s | MFU | mem peak (GiB) | vs hf | vs compiled |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | b x s | side | step (ms) | tokens/s | TFLOP/s | MFU | mem peak (GiB) | vs hf | vs compiled "
+        "| planner: step (ms), error |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in record["throughput"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | | {r['side']} | failed: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['model']} | | {r['side']} | failed: {r['error'][:120]} | | | | | | | |")
             continue
         # against the baselines at the same global batch (a side with global<n> against hf-global<n>, ...)
         glob = r.get("global_batch", r["micro_batch"])
@@ -54,7 +55,12 @@ def markdown(record: dict) -> str:
         lines.append(
             f"| {r['model']} | {shape} | {r['side']} | {1e3 * r['step_s']:.1f} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {r['mem_peak_gib']:.1f} | "
-            f"{ratio('hf')} | {ratio('compiled')} |"
+            f"{ratio('hf')} | {ratio('compiled')} | "
+            + (
+                f"{1e3 * r['predicted_step_s']:.1f}, {100 * r['predicted_error']:+.1f}% |"
+                if "predicted_step_s" in r
+                else "- |"
+            )
         )
     lines += [
         "",
@@ -64,7 +70,8 @@ def markdown(record: dict) -> str:
         "weights under bf16 autocast and fused AdamW; compiled = a minimal nanoGPT-style GPT, torch.compile'd, "
         "fp32 weights under bf16 autocast, fused AdamW; -global<n>: n sequences a step, gradients accumulated "
         "over n / b micro-batches of the shape shown before one optimizer step. Median step of the timed steps "
-        "after warm-up, each side in a fresh process.",
+        "after warm-up, each side in a fresh process. Planner: `train.py --check`'s step time for the same run "
+        "(plan/measured.py; add the rows to its MEASURED, and the error `--plan` reports on this GPU follows).",
     ]
     k = record.get("kernels")
     if k:

@@ -3,7 +3,8 @@ planner predicts for the same runs; and from them, how far the planner's step ti
 class, which `--plan` reports its ranking with (plan/report.py).
 
 Each row is one GPU, bf16, the default kernels (or compiled blocks), ZeRO-0 or ZeRO-1, at the preset's sequence
-length. Published runs on A100s (plan/published.py) give that class's error; a GPU with no row of either kind
+length. `make bench-gpu` records the planner's prediction beside each of our rows it measures
+(`predicted_step_s`, `predicted_error`): a GPU session adds its rows here, and the errors below follow. Published runs on A100s (plan/published.py) give that class's error; a GPU with no row of either kind
 takes the largest error of any class, and is said to be unvalidated.
 """
 
@@ -32,7 +33,6 @@ class MeasuredRun:
             f"zero.stage={self.zero_stage}",
             "train.precision=bf16",
             f"cluster.gpu={self.gpu}",
-            "cluster.gpus_per_node=1",
         ]
 
 
@@ -52,14 +52,20 @@ MEASURED = (
 )
 
 
-def predicted_step_s(run: MeasuredRun) -> float:
-    """The planner's step time for `run` (one GPU of its class, its layout and model)."""
+def predict_run(overrides: list[str]):
+    """The planner's Prediction for a one-GPU run of `overrides` (cluster.gpu=auto: this machine's GPU), as
+    `make bench-gpu` records it beside what it measures (tools/bench_gpu.py)."""
     from megatron_lite.cli import load
     from megatron_lite.layout import Layout
     from megatron_lite.plan import cluster_from_config, predict
 
-    cfg = load(run.overrides(), world_size=1)
-    return predict(cfg.model, Layout.of_run(cfg, 1, cuda=True), cluster_from_config(cfg.cluster, 1)).step.total_s
+    cfg = load([*overrides, "cluster.gpus_per_node=1"], world_size=1)
+    return predict(cfg.model, Layout.of_run(cfg, 1, cuda=True), cluster_from_config(cfg.cluster, 1))
+
+
+def predicted_step_s(run: MeasuredRun) -> float:
+    """The planner's step time for `run` (one GPU of its class, its layout and model)."""
+    return predict_run(run.overrides()).step.total_s
 
 
 @functools.cache

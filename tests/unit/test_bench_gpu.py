@@ -179,3 +179,21 @@ def test_global_batch_sides_accumulate_and_compare_with_baselines_at_the_same_ba
     assert glob_row.startswith("| gpt-1.3b | 4 x 2048, 4 a step |") and glob_row.endswith("| - | 1.25x |"), glob_row
     plain_row = next(line for line in lines if "| ours-compile |" in line)
     assert plain_row.endswith("| - | 0.90x |"), plain_row
+
+
+def test_each_of_our_sides_is_priced_by_the_planner_as_plan_measured_prices_its_rows():
+    """make bench-gpu records the planner's step time beside ours-* sides (predicted_step_s): the side's own
+    config, priced on this machine's GPU (cluster.gpu=auto: an h100-sxm on a machine without one), is what
+    plan/measured.py prices for the same recorded run; and the report shows it with its error."""
+    from megatron_lite.plan.measured import MEASURED, predict_run, predicted_step_s
+
+    for run in [r for r in MEASURED if r.gpu == "h100-sxm"]:
+        overrides, _ = bench_gpu.side_overrides(
+            run.model, run.micro_batch, {"gpt-1.3b": 2048}.get(run.model, 1024), run.side
+        )
+        assert predict_run(overrides).step.total_s == pytest.approx(predicted_step_s(run)), run
+    with open(RECORDS[0]) as f:
+        record = json.load(f)
+    row = dict(record["throughput"][0], predicted_step_s=0.1379, predicted_error=-0.1873)
+    text = gpu_report.markdown(dict(record, throughput=[row]))
+    assert "| 137.9, -18.7% |" in text, text
