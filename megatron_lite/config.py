@@ -104,6 +104,10 @@ class ZeroConfig:
     nvme_path: str = "/tmp/megatron_lite_nvme"
     """Directory used for nvme offload: each run swaps in a folder of its own under it, named after run.dir
     (<run.dir name>-<hash of its path>), removed when the run ends."""
+    hpz: int = 1
+    """ZeRO++ hpZ (DeepSpeed's zero_hpz_partition_size, stage 3): each rank also keeps a secondary shard of every
+    parameter over groups of this many consecutive ZeRO ranks (within a node when it divides the GPUs per node
+    over tp), so the backward's all-gathers stay inside a group; 1 = off. Must divide dp x cp."""
 
 
 @dataclass

@@ -43,6 +43,8 @@ class Layout:
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    hpz: int = 1  # ZeRO++ hpZ's secondary-shard group size (1: off); the primary shards, which a checkpoint holds,
+    # do not depend on it
     precision: str | None = None  # as resolved: fp32 or bf16 (None: a checkpoint older than the bf16 fixes)
     recompute: str = "none"
     recompute_every: int = 1
@@ -67,6 +69,7 @@ class Layout:
             zero_stage=z.stage,
             offload_optimizer=z.offload_optimizer,
             offload_param=z.offload_param,
+            hpz=z.hpz,
             precision=resolve_precision(t.precision, cuda),
             recompute=t.recompute,
             recompute_every=t.recompute_every,
@@ -80,7 +83,7 @@ class Layout:
         saved, train = meta["layout"], meta.get("config", {}).get("train", {})
         known = {
             k: saved[k]
-            for k in ("sp", "offload_optimizer", "offload_param", "recompute", "recompute_every")
+            for k in ("sp", "offload_optimizer", "offload_param", "hpz", "recompute", "recompute_every")
             if k in saved
         }
         return cls(
@@ -190,6 +193,7 @@ class Layout:
             "zero.stage": str(self.zero_stage),
             "zero.offload_optimizer": self.offload_optimizer,
             "zero.offload_param": self.offload_param,
+            "zero.hpz": str(self.hpz),
             "train.micro_batch_size": str(self.micro_batch_size),
             "train.recompute": self.recompute,
             "train.recompute_every": str(self.recompute_every),
@@ -213,6 +217,8 @@ class Layout:
             out.append(f"zero.offload_optimizer={self.offload_optimizer}")
         if self.offload_param != "none":
             out.append(f"zero.offload_param={self.offload_param}")
+        if self.hpz > 1:
+            out.append(f"zero.hpz={self.hpz}")
         out.append(f"train.micro_batch_size={self.micro_batch_size}")
         out.append(f"train.global_batch_size={self.global_batch_size}")
         if self.recompute != "none":

@@ -81,6 +81,8 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
             zero["offload_optimizer"] = _offload(z.offload_optimizer, swap_dir(cfg), pin)
         if z.offload_param != "none":
             zero["offload_param"] = _offload(z.offload_param, swap_dir(cfg), pin)
+        if z.hpz > 1:
+            zero["zero_hpz_partition_size"] = z.hpz  # over ParallelContext.hpz_group (repairs.use_hpz_group)
     ds = {
         # One accumulation step as DeepSpeed sees it: our executor runs all m micro-batches (scaled 1/m at the
         # loss) and calls step() once; DeepSpeed must not rescale each chunk's output gradient by 1/m again.

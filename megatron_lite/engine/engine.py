@@ -36,6 +36,7 @@ from megatron_lite.engine.repairs import (
     sum_zero3_gradients_over_cp,
     takes_output_backward,
     universal_load,
+    use_hpz_group,
     zero_offload_accumulators,
 )
 from megatron_lite.layout import Layout
@@ -77,6 +78,8 @@ class Engine:
         self.model_cfg, self.grad_clip = model_cfg, train.grad_clip
         if layout.offload_param == "nvme":
             honour_explicit_zero3_dtype()
+        if ctx.hpz_group is not None:
+            use_hpz_group(ctx.hpz_group)
         self.accum = self.layout.accumulation  # micro-batches per step on each pipeline
         assert model.tied is not None or not needs_tie(model), "a pipeline's tied embedding: see tie_across_stages"
         # The DeepSpeed engine (optimizer, ZeRO, checkpoints) and the model it wraps (this rank's GPT).

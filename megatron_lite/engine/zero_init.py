@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from megatron_lite.engine.repairs import honour_explicit_zero3_dtype
+from megatron_lite.engine.repairs import honour_explicit_zero3_dtype, use_hpz_group
 from megatron_lite.parallel.context import ParallelContext
 
 
@@ -26,6 +26,8 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
     # As deepspeed.initialize does; before it, Init would read its config with a world of one.
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False)
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+    if ctx.hpz_group is not None:
+        use_hpz_group(ctx.hpz_group)
     # module= makes Init do what DeepSpeed's ZeRO-3 setup does with a built model (it also swaps in ZeRO-3's
     # memory-efficient linear); an empty module gives it no parameter yet: they come one by one below.
     init = deepspeed.zero.Init(
@@ -34,6 +36,7 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
         config_dict_or_path=ds_config,
         dtype=dtype,
         mpu=ctx.mpu(),
+        zero_param_parallel_group=ctx.hpz_group,
     )
 
     def partition(param: nn.Parameter) -> None:

@@ -161,12 +161,13 @@ class ParallelContext:
     cp_group: object  # None when cp = 1
     dp_cp_group: object  # dp x cp: the ranks holding the same parameters (gradient reduction, ZeRO partitions)
     mp_group: object  # tp x pp: the ranks that together hold one model replica
+    hpz_group: object  # hpz consecutive ranks of dp_cp_group: ZeRO++ hpZ's secondary shards (None: hpz = 1)
     embed_group: object  # first and last pipeline rank of this (dp, cp, tp) position: the two tied-embedding copies
     device: torch.device
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelContext:
-        """Build groups on the already-initialised default process group."""
+    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, hpz: int = 1) -> ParallelContext:
+        """Build groups on the already-initialised default process group; hpz: zero.hpz (ZeRO++ hpZ's groups)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = rank_grid(world, tp, pp, cp)  # (pp, dp, cp, tp)
         pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
@@ -179,6 +180,7 @@ class ParallelContext:
             return moved.reshape(-1, math.prod(grid.shape[order.index(a)] for a in axes)).tolist()
 
         embed_groups = [[line[0], line[-1]] for line in lines("p")] if pp > 1 else []
+        hpz_groups = [line[i : i + hpz] for line in lines("dc") for i in range(0, len(line), hpz)] if hpz > 1 else []
         dp_group = _my_group(rank, lines("d"))
         cp_group = _my_group(rank, lines("c")) if cp > 1 else None  # no world-size set of one-rank groups
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -202,6 +204,7 @@ class ParallelContext:
             pp_group=_my_group(rank, lines("p")),
             mp_group=_my_group(rank, lines("pt")),
             embed_group=_my_group(rank, embed_groups),
+            hpz_group=_my_group(rank, hpz_groups),
             device=device,
         )
 
@@ -219,6 +222,7 @@ class ParallelContext:
                 self.dp_cp_group,
                 self.mp_group,
                 self.embed_group,
+                self.hpz_group,
             )
             if g is not None
         }

@@ -50,6 +50,7 @@ UNSEARCHED = {
     "zero.offload_param": "no parameter offload",
     "train.recompute_every": "recompute_every 1",
     "zero.nvme_path": "no NVMe offload",
+    "zero.hpz": "no hpZ",
 }
 # `--plan` overrides that pin a searched knob: override key -> Layout field
 PINNABLE = {

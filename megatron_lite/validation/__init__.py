@@ -21,7 +21,7 @@ from megatron_lite.validation.model import check_model
 from megatron_lite.validation.parallel import check_context_parallel, check_grid, check_pipeline
 from megatron_lite.validation.run import check_faults, check_run
 from megatron_lite.validation.train import check_optim, check_train
-from megatron_lite.validation.zero import check_offload_support, check_zero
+from megatron_lite.validation.zero import check_hpz, check_offload_support, check_zero
 
 
 def check(cfg: Config, world_size: int) -> None:
@@ -61,6 +61,12 @@ def notes(cfg: Config) -> list[str]:
         )
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
+    if cfg.zero.hpz > 1:
+        out.append(
+            f"zero.hpz={cfg.zero.hpz}: train.py --check and --plan leave hpZ out (its secondary shards, about the "
+            f"gathered parameters / {cfg.zero.hpz} per rank in the working dtype, and its smaller backward "
+            "all-gathers are not priced yet)"
+        )
     return out
 
 
@@ -75,6 +81,7 @@ def validate(cfg: Config, world_size: int) -> None:
     dp = world_size // (p.tp * p.cp * p.pp)
     check_pipeline(cfg, dp)
     check_zero(cfg.zero)
+    check_hpz(cfg, dp)
     check_train(cfg, world_size, dp)
     check_optim(cfg.optim)
     check_data(cfg)

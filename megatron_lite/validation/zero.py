@@ -1,4 +1,4 @@
-"""zero.*: the ZeRO stage, offload and its NVMe directory, and whether this machine can offload to NVMe."""
+"""zero.*: the ZeRO stage, offload and its NVMe directory, whether this machine can offload to NVMe, and hpZ."""
 
 from __future__ import annotations
 
@@ -50,3 +50,27 @@ def check_offload_support(cfg: Config) -> None:
                 f"{key}=nvme needs DeepSpeed's async_io op, which cannot build here (libaio missing); "
                 "install libaio-dev (apt) or use cpu offload"
             )
+
+
+def check_hpz(cfg: Config, dp: int) -> None:
+    """zero.hpz: a group size of the ZeRO ranks (dp x cp), at stage 3."""
+    z, partitions = cfg.zero, dp * cfg.parallel.cp
+    if z.hpz == 1:
+        return
+    if z.hpz < 1:
+        fail("zero.hpz", z.hpz, "must be >= 1 (ranks in a secondary-shard group)", "use 1 to turn hpZ off")
+    if z.stage != 3:
+        fail(
+            "zero.hpz",
+            z.hpz,
+            f"needs zero.stage=3 (got {z.stage}: hpZ shards parameters)",
+            "set zero.stage=3 or zero.hpz=1",
+        )
+    if partitions % z.hpz:
+        divisors = ", ".join(str(d) for d in range(1, partitions + 1) if partitions % d == 0)
+        fail(
+            "zero.hpz",
+            z.hpz,
+            f"must divide the {partitions} ZeRO ranks (dp={dp} x cp={cfg.parallel.cp}) into groups",
+            f"use one of {divisors}",
+        )

@@ -151,6 +151,13 @@ BAD = [
     (["model.init_std=-1"], 1, "model.init_std=-1.0 must be a positive number"),
     (["model.norm_eps=-1"], 1, "model.norm_eps=-1.0 must be a positive number"),  # unchecked: trained on NaN
     (["model.rope_theta=0"], 1, "model.rope_theta=0.0 must be a positive number"),
+    (["zero.hpz=2"], 4, "zero.hpz=2 needs zero.stage=3 (got 0"),
+    (
+        ["zero.stage=3", "zero.hpz=3"],
+        4,
+        "zero.hpz=3 must divide the 4 ZeRO ranks (dp=4 x cp=1) into groups; use one of 1, 2, 4",
+    ),
+    (["zero.stage=3", "zero.hpz=0"], 4, "zero.hpz=0 must be >= 1"),
     # Without these checks each is a traceback after the process group starts, or a run that goes wrong.
     (["seed=-1"], 1, "seed=-1 must be in [0, 2**63)"),  # numpy's sampler refused it at step 1
     (["seed=99999999999999999999"], 1, "must be in [0, 2**63)"),  # torch.manual_seed overflowed

@@ -10,6 +10,7 @@ only code that reaches into DeepSpeed's private attributes and methods.
   restore_functional_linear       zero.Init(module=...) leaves its own F.linear in torch for the process's life
   forget_run_in_deepspeed_globals DeepSpeed's module globals keep an ended run's model and process groups
   takes_output_backward           which of its optimizers take output.backward(grad) is said only in private
+  use_hpz_group                   hpZ builds its groups over consecutive world ranks, ignoring the mpu's
   universal_load.py               its loaders of the universal form cut TP shards and hyperparameters wrongly: ours
   nvme_checkpoint.py              its checkpoint of an optimizer swapped to NVMe saves the swapped states empty
 
@@ -151,6 +152,8 @@ def forget_run_in_deepspeed_globals(model: torch.nn.Module, ctx) -> None:
 
     if getattr(groups.mpu, "ctx", None) is ctx:
         groups.mpu = None
+    if ctx.hpz_group is not None and groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is ctx.hpz_group:
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # (DeepSpeed asserts it is unset before making its own)
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:
         mine = {id(m) for m in model.modules()}
@@ -173,3 +176,18 @@ def takes_output_backward(ds_engine) -> bool:
     and close each backward): DeepSpeed's ZeRO optimizers do, its plain ZeRO-0 one does not. DeepSpeed 0.19 says
     so only in a private attribute; Engine.__init__ checks it against the ZeRO stage."""
     return bool(ds_engine._support_torch_style_backward)
+
+
+def use_hpz_group(group) -> None:
+    """ZeRO++ hpZ (zero_hpz_partition_size) keeps a secondary shard of each parameter over a group of ranks that
+    hold the same parameter. DeepSpeed 0.19 builds those groups over consecutive *world* ranks
+    (groups._create_zero_param_parallel_group), ignoring the data-parallel group the mpu gives it: with tp, cp or
+    pp > 1 consecutive ranks hold different TP shards or stages, so the backward would gather a mix of them. It
+    takes the group from a module global when one is set (zero.Init, the ZeRO-3 optimizer and its offload all
+    ask groups._get_zero_param_intra_parallel_group first), so ours (ParallelContext.hpz_group: hpz consecutive
+    ranks of the dp x cp group) goes there. Measured with DeepSpeed's own groups at tp 2 x dp 2, d_model 256: the
+    loss 0.027 off the single process's at step 1 and 0.20 at step 6, without a word; with ours equal to 1e-5
+    (tests/distributed/test_zero.py's hpZ case)."""
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group

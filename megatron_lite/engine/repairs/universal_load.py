@@ -184,6 +184,7 @@ def _load_zero3_universal(engine, zero_dir: str) -> None:
             offset += numel
         assert offset == numel_of_group, f"sub-group {sub_group}: {offset} loaded elements for {numel_of_group}"
         _fill_zero3_sub_group(zero3, sub_group, flats, _one_step(steps))
+    zero3.invalidate_secondary_tensor()  # hpZ's secondary shards hold the build's values: made again from these
 
 
 @torch.no_grad()
@@ -209,6 +210,7 @@ def load_offloaded(engine, path: str, rank: int) -> None:
                 **{key: stored[key] for key in ("exp_avg", "exp_avg_sq")},
             }
         _fill_zero3_sub_group(zero3, sub_group, flats, stored["step"])
+    zero3.invalidate_secondary_tensor()  # (as after the universal load)
 
 
 def _fill_zero3_sub_group(zero3, sub_group: int, flats: dict, step) -> None:
