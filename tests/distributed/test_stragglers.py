@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -15,10 +14,9 @@ import pytest
 
 from tests.distributed.common import logged_records, max_abs_diff
 from tests.distributed.common import overrides as base_overrides
-from tests.distributed.launcher import ROOT, clean_shared_memory, rank_env, torchrun_cmd
-from tests.distributed.test_signals import workers
+from tests.distributed.launcher import clean_shared_memory
+from tests.distributed.test_signals import launch, workers
 
-TRAIN = os.path.join(ROOT, "train.py")
 LOG_INTERVAL, INTERVALS = 2, 3
 WATCH = [
     f"train.log_interval={LOG_INTERVAL}",
@@ -68,23 +66,15 @@ def duty_cycle(pid: int):
 def _train(tmp_path, name: str, *extra: str, slow_rank: int | None = None) -> tuple[int, str]:
     """torchrun on 2 ranks; with slow_rank, that rank is stopped and continued until the job ends. Returns the
     exit code and the output (stdout and stderr)."""
-    args = base_overrides(tmp_path, name, *WATCH, *extra)
-    proc = subprocess.Popen(
-        torchrun_cmd(2, TRAIN, *args),
-        env=rank_env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch(base_overrides(tmp_path, name, *WATCH, *extra))
     try:
         slowed = duty_cycle(rank_pid(workers(proc), slow_rank)) if slow_rank is not None else contextlib.nullcontext()
         with slowed:
-            out, _ = proc.communicate(timeout=600)
+            out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
         clean_shared_memory()
-    return proc.returncode, out
+    return proc.returncode, out + err
 
 
 def _warnings(out: str) -> list[str]:
