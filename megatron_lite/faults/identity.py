@@ -41,7 +41,8 @@ def own(rank: int) -> RankIdentity:
     return RankIdentity(rank, host, int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def _store():
+def job_store():
+    """The job's key-value store (torchrun's agent's, or rank 0's under srun), which faults/stalls.py uses too."""
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store()
@@ -50,13 +51,13 @@ def _store():
 def publish(rank: int) -> None:
     """Say in the job's store who global rank `rank` (this process) is."""
     me = own(rank)
-    _store().set(f"{_PREFIX}/{rank}", f"{me.local_rank} {me.host}")
+    job_store().set(f"{_PREFIX}/{rank}", f"{me.local_rank} {me.host}")
 
 
 def of(rank: int, timeout_s: float = 10.0) -> RankIdentity:
     """Rank `rank`'s identity as it published it; only the rank when it did not or the store does not answer."""
     try:
-        store = _store()
+        store = job_store()
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         if not store.check([f"{_PREFIX}/{rank}"]):
             return RankIdentity(rank)

@@ -6,7 +6,8 @@ a grace period for the others to say so too: all live ranks block at about the s
 within about one timeout of each other. The ranks that never report are the ones that hung or died. Every
 rank also notes there the last step it finished (one store write a step: a few microseconds on one host,
 one round trip to the store's host otherwise), so the message
-says where each of them stopped, and who it is (faults/identity.py: rank, host, local rank). If the store itself is gone (under srun, when rank 0 is the one that hung or
+says where each of them stopped, and who it is (faults/identity.py: rank, host, local rank). If the store
+itself is gone (under srun, when rank 0 is the one that hung or
 died), the message says that instead.
 """
 
@@ -24,15 +25,9 @@ from megatron_lite.faults import identity
 _PREFIX = "megatron_lite/stalls"
 
 
-def _store():
-    from torch.distributed import distributed_c10d as c10d
-
-    return c10d._get_default_store()
-
-
 def note_step(step: int) -> None:
     """Record that this rank finished `step`."""
-    _store().set(f"{_PREFIX}/step/{dist.get_rank()}", str(step))
+    identity.job_store().set(f"{_PREFIX}/step/{dist.get_rank()}", str(step))
 
 
 # What a timed-out collective says, and nothing else: gloo's transport ("[.../gloo/transport/tcp/
@@ -57,7 +52,7 @@ def name_stalled(grace_s: float) -> tuple[int, str]:
     ranks that did not report within grace_s and the last step each finished)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        store = _store()
+        store = identity.job_store()
         store.set_timeout(datetime.timedelta(seconds=10))
         store.set(f"{_PREFIX}/alive/{rank}", str(os.getpid()))
         deadline = time.monotonic() + grace_s

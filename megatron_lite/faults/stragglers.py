@@ -153,8 +153,9 @@ class Report:
     def metrics(self) -> dict:
         return {"slowest_rank": self.slowest_rank, "slowest_ratio": self.ratio}
 
-    def message(self, threshold: float) -> str:
-        who = identity.of(self.slowest_rank)
+    def message(self, threshold: float, who: identity.RankIdentity | None = None) -> str:
+        """The line naming the straggler (`who`: its identity, when the caller has read it already)."""
+        who = who or identity.of(self.slowest_rank)
         return (
             f"{who} is a straggler: its busy time (compute, not collective waits) has been over "
             f"faults.straggler_ratio={threshold:g} times the median rank's for {self.streak} reports in a row "
@@ -240,6 +241,6 @@ class StragglerWatch:
         with open(os.path.join(run_dir, "straggler.json"), "w") as f:
             json.dump({**who.to_json(), "ratio": report.ratio, "step": step}, f)
         logger.print(
-            f"straggler: at step {step}, {report.message(self.threshold)}; saved and stopped (exit {STRAGGLER_EXIT}); "
+            f"straggler: at step {step}, {report.message(self.threshold, who)}; saved and stopped (exit {STRAGGLER_EXIT}); "
             f"resume with checkpoint.resume=auto, without host {who.host} (slurm/train.sbatch requeues leaving it out)"
         )
