@@ -108,6 +108,12 @@ class ZeroConfig:
     """ZeRO++ hpZ (DeepSpeed's zero_hpz_partition_size, stage 3): each rank also keeps a secondary shard of every
     parameter over groups of this many consecutive ZeRO ranks (within a node when it divides the GPUs per node
     over tp), so the backward's all-gathers stay inside a group; 1 = off. Must divide dp x cp."""
+    shard_size: int | None = None
+    """Hybrid sharding (HSDP): ZeRO partitions its states (stage 1: optimizer states; 2: and gradients; 3: and
+    parameters) within groups of this many consecutive data-parallel ranks (with their cp ranks), and the groups
+    hold replicas: each group's reduced gradients are averaged over the replicas before the step. A group sits in
+    one node when shard_size x cp x tp divides the GPUs per node. null = one group of every dp rank. Must divide
+    dp."""
 
 
 @dataclass

@@ -45,6 +45,7 @@ class Layout:
     offload_param: str = "none"
     hpz: int = 1  # ZeRO++ hpZ's secondary-shard group size (1: off); the primary shards, which a checkpoint holds,
     # do not depend on it
+    shard_size: int | None = None  # zero.shard_size: dp ranks per ZeRO partition group (None: all dp, one replica)
     precision: str | None = None  # as resolved: fp32 or bf16 (None: a checkpoint older than the bf16 fixes)
     recompute: str = "none"
     recompute_every: int = 1
@@ -70,6 +71,7 @@ class Layout:
             offload_optimizer=z.offload_optimizer,
             offload_param=z.offload_param,
             hpz=z.hpz,
+            shard_size=None if z.shard_size in (None, world_size // (p.tp * p.cp * p.pp)) else z.shard_size,
             precision=resolve_precision(t.precision, cuda),
             recompute=t.recompute,
             recompute_every=t.recompute_every,
@@ -83,7 +85,7 @@ class Layout:
         saved, train = meta["layout"], meta.get("config", {}).get("train", {})
         known = {
             k: saved[k]
-            for k in ("sp", "offload_optimizer", "offload_param", "hpz", "recompute", "recompute_every")
+            for k in ("sp", "offload_optimizer", "offload_param", "hpz", "shard_size", "recompute", "recompute_every")
             if k in saved
         }
         return cls(
@@ -129,9 +131,20 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
+    def zero_dp(self) -> int:
+        """The data-parallel ranks of one ZeRO partition group: zero.shard_size, or all of dp."""
+        return self.shard_size or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of the ZeRO states the data-parallel ranks hold (zero.shard_size: dp / shard_size)."""
+        return self.dp // self.zero_dp
+
+    @property
     def zero_partitions(self) -> int:
-        """How many ranks ZeRO splits the states over: dp x cp (the parameters are replicated over cp)."""
-        return self.dp * self.cp
+        """How many ranks ZeRO splits the states over: zero_dp x cp (the parameters are replicated over cp, and
+        over the replicas of hybrid sharding)."""
+        return self.zero_dp * self.cp
 
     @property
     def pipeline(self) -> tuple:
@@ -194,6 +207,7 @@ class Layout:
             "zero.offload_optimizer": self.offload_optimizer,
             "zero.offload_param": self.offload_param,
             "zero.hpz": str(self.hpz),
+            "zero.shard_size": "null" if self.shard_size is None else str(self.shard_size),
             "train.micro_batch_size": str(self.micro_batch_size),
             "train.recompute": self.recompute,
             "train.recompute_every": str(self.recompute_every),
@@ -219,6 +233,8 @@ class Layout:
             out.append(f"zero.offload_param={self.offload_param}")
         if self.hpz > 1:
             out.append(f"zero.hpz={self.hpz}")
+        if self.shard_size is not None:
+            out.append(f"zero.shard_size={self.shard_size}")
         out.append(f"train.micro_batch_size={self.micro_batch_size}")
         out.append(f"train.global_batch_size={self.global_batch_size}")
         if self.recompute != "none":

@@ -126,7 +126,7 @@ def _train(cfg: Config, layout: Layout) -> dict:
         clear_stale_build_locks()  # before DeepSpeed loads its ops: a killed build's lock would hang us forever
         init_distributed(cfg.dist.timeout_s)
         identity.publish(dist.get_rank())  # who this rank is, for the reports that name one (faults/identity.py)
-        ctx = ParallelContext.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.zero.hpz)
+        ctx = ParallelContext.build(layout.tp, layout.pp, layout.cp, layout.hpz, layout.shard_size)
         agree_on_refusal(refusal, cfg.run.dir, ctx.device)
         memory = PeakMemory(ctx.device, cfg.train.track_memory)  # before the model: every byte it allocates counts
         try:

@@ -64,7 +64,7 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     config. (A checkpoint of another layout loads through our own loaders of the universal form,
     engine/repairs/universal_load.py, not DeepSpeed's `load_universal`.)"""
     t, z, o = cfg.train, cfg.zero, cfg.optim
-    dp_size = layout.dp
+    dp_size = layout.zero_dp  # the data-parallel ranks DeepSpeed sees: one ZeRO group (parallel/context.py's mpu)
     bf16_params = holds_bf16(layout.precision, z.stage)
     offload_opt = z.offload_optimizer != "none"
     zero: dict = {"stage": z.stage}

@@ -29,6 +29,7 @@ from megatron_lite.engine.ds_config import nvme_swap_dir, param_groups, universa
 from megatron_lite.engine.repairs import (
     forget_run_in_deepspeed_globals,
     honour_explicit_zero3_dtype,
+    hybrid,
     nvme_checkpoint,
     replay_cpu_adam_beta_powers,
     reset_backward_hook_count,
@@ -93,6 +94,9 @@ class Engine:
         self.model = self.ds_engine.module
         if layout.zero_stage == 3:
             sum_zero3_gradients_over_cp(self.optimizer, ctx.cp_size)
+        if ctx.replica_group is not None:  # hybrid sharding: DeepSpeed sees one replica (engine/repairs/hybrid.py)
+            hybrid.average_over_replicas(self.optimizer, ctx.replica_group, ctx.replicas)
+            hybrid.write_once_per_replica(self.ds_engine, ctx.replica_rank)
         # Activations (and pipeline messages): bf16 where DeepSpeed holds bf16 parameters; under ZeRO-0's
         # autocast the residual stream stays fp32 (embeddings and norms are fp32 ops there).
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32

@@ -32,7 +32,7 @@ def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[
     # memory-efficient linear); an empty module gives it no parameter yet: they come one by one below.
     init = deepspeed.zero.Init(
         module=nn.Module(),
-        data_parallel_group=ctx.dp_cp_group,
+        data_parallel_group=ctx.zero_group,
         config_dict_or_path=ds_config,
         dtype=dtype,
         mpu=ctx.mpu(),

@@ -162,12 +162,21 @@ class ParallelContext:
     dp_cp_group: object  # dp x cp: the ranks holding the same parameters (gradient reduction, ZeRO partitions)
     mp_group: object  # tp x pp: the ranks that together hold one model replica
     hpz_group: object  # hpz consecutive ranks of dp_cp_group: ZeRO++ hpZ's secondary shards (None: hpz = 1)
+    # Hybrid sharding (zero.shard_size): ZeRO partitions over shard_size consecutive dp ranks (x cp), and the dp
+    # ranks hold dp / shard_size replicas of those partitions. Without it: one group of all dp ranks.
+    shard_size: int  # dp ranks per ZeRO partition group
+    zero_group: object  # ZeRO's partition group: shard_size dp ranks x cp (dp_cp_group without hybrid sharding)
+    zero_dp_group: object  # zero_group's ranks at this cp rank: what DeepSpeed's mpu calls the data-parallel group
+    replica_group: object  # the ranks at this place of every replica's zero_group (None: one replica)
     embed_group: object  # first and last pipeline rank of this (dp, cp, tp) position: the two tied-embedding copies
     device: torch.device
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, cp: int = 1, hpz: int = 1) -> ParallelContext:
-        """Build groups on the already-initialised default process group; hpz: zero.hpz (ZeRO++ hpZ's groups)."""
+    def build(
+        cls, tp: int = 1, pp: int = 1, cp: int = 1, hpz: int = 1, shard_size: int | None = None
+    ) -> ParallelContext:
+        """Build groups on the already-initialised default process group; hpz: zero.hpz (ZeRO++ hpZ's groups);
+        shard_size: zero.shard_size (hybrid sharding's groups)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = rank_grid(world, tp, pp, cp)  # (pp, dp, cp, tp)
         pp_rank, dp_rank, cp_rank, tp_rank = (int(i) for i in (grid == rank).nonzero()[0])
@@ -183,6 +192,16 @@ class ParallelContext:
         hpz_groups = [line[i : i + hpz] for line in lines("dc") for i in range(0, len(line), hpz)] if hpz > 1 else []
         dp_group = _my_group(rank, lines("d"))
         cp_group = _my_group(rank, lines("c")) if cp > 1 else None  # no world-size set of one-rank groups
+        dp_cp_group = _my_group(rank, lines("dc")) if cp > 1 else dp_group
+        shard = shard_size or dp
+        if shard < dp:  # a "dc" line runs cp fastest: shard consecutive dp ranks with their cp ranks are shard*cp
+            zero_group = _my_group(
+                rank, [line[i : i + shard * cp] for line in lines("dc") for i in range(0, dp * cp, shard * cp)]
+            )
+            zero_dp_group = _my_group(rank, [line[i : i + shard] for line in lines("d") for i in range(0, dp, shard)])
+            replica_group = _my_group(rank, [line[i::shard] for line in lines("d") for i in range(shard)])
+        else:
+            zero_group, zero_dp_group, replica_group = dp_cp_group, dp_group, None
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         return cls(
@@ -200,11 +219,15 @@ class ParallelContext:
             tp_group=_my_group(rank, lines("t")),
             dp_group=dp_group,
             cp_group=cp_group,
-            dp_cp_group=_my_group(rank, lines("dc")) if cp > 1 else dp_group,
+            dp_cp_group=dp_cp_group,
             pp_group=_my_group(rank, lines("p")),
             mp_group=_my_group(rank, lines("pt")),
             embed_group=_my_group(rank, embed_groups),
             hpz_group=_my_group(rank, hpz_groups),
+            shard_size=shard,
+            zero_group=zero_group,
+            zero_dp_group=zero_dp_group,
+            replica_group=replica_group,
             device=device,
         )
 
@@ -223,6 +246,9 @@ class ParallelContext:
                 self.mp_group,
                 self.embed_group,
                 self.hpz_group,
+                self.zero_group,
+                self.zero_dp_group,
+                self.replica_group,
             )
             if g is not None
         }
@@ -232,6 +258,16 @@ class ParallelContext:
     def pp_global_rank(self, pp_rank: int) -> int:
         """The global rank of pipeline rank `pp_rank` at this rank's (dp, cp, tp) position."""
         return ((pp_rank * self.dp_size + self.dp_rank) * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the ZeRO states over the dp ranks (hybrid sharding); 1 without it."""
+        return self.dp_size // self.shard_size
+
+    @property
+    def replica_rank(self) -> int:
+        """Which replica of the ZeRO states this rank holds part of (0 without hybrid sharding)."""
+        return self.dp_rank // self.shard_size
 
     @property
     def is_rank0(self) -> bool:
@@ -248,14 +284,16 @@ class DeepSpeedMPU:
     def __init__(self, ctx: ParallelContext):
         self.ctx = ctx
 
+    # With hybrid sharding DeepSpeed sees one replica: its data-parallel ranks are one ZeRO group's (the engine
+    # averages over the replicas, engine/repairs/hybrid.py).
     def get_data_parallel_group(self):
-        return self.ctx.dp_group
+        return self.ctx.zero_dp_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.ctx.dp_rank
+        return self.ctx.dp_rank % self.ctx.shard_size
 
     def get_data_parallel_world_size(self) -> int:
-        return self.ctx.dp_size
+        return self.ctx.shard_size
 
     def get_model_parallel_group(self):
         return self.ctx.mp_group
@@ -287,13 +325,13 @@ class DeepSpeedMPU:
         return self.ctx.cp_size
 
     def get_sequence_data_parallel_group(self):
-        return self.ctx.dp_cp_group
+        return self.ctx.zero_group
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.ctx.dp_rank * self.ctx.cp_size + self.ctx.cp_rank
+        return (self.ctx.dp_rank % self.ctx.shard_size) * self.ctx.cp_size + self.ctx.cp_rank
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.ctx.dp_size * self.ctx.cp_size
+        return self.ctx.shard_size * self.ctx.cp_size
 
     def get_pipeline_model_parallel_group(self):
         return self.ctx.pp_group

@@ -51,6 +51,7 @@ UNSEARCHED = {
     "train.recompute_every": "recompute_every 1",
     "zero.nvme_path": "no NVMe offload",
     "zero.hpz": "no hpZ",
+    "zero.shard_size": "ZeRO over all dp ranks",
 }
 # `--plan` overrides that pin a searched knob: override key -> Layout field
 PINNABLE = {

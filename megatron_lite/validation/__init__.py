@@ -21,7 +21,7 @@ from megatron_lite.validation.model import check_model
 from megatron_lite.validation.parallel import check_context_parallel, check_grid, check_pipeline
 from megatron_lite.validation.run import check_faults, check_run
 from megatron_lite.validation.train import check_optim, check_train
-from megatron_lite.validation.zero import check_hpz, check_offload_support, check_zero
+from megatron_lite.validation.zero import check_hpz, check_offload_support, check_shard_size, check_zero
 
 
 def check(cfg: Config, world_size: int) -> None:
@@ -67,6 +67,11 @@ def notes(cfg: Config) -> list[str]:
             f"gathered parameters / {cfg.zero.hpz} per rank in the working dtype, and its smaller backward "
             "all-gathers are not priced yet)"
         )
+    if cfg.zero.shard_size is not None:
+        out.append(
+            f"zero.shard_size={cfg.zero.shard_size}: train.py --check and --plan price ZeRO over all dp ranks (the "
+            "replicas' larger shards and their average of the gradients are not priced yet)"
+        )
     return out
 
 
@@ -82,6 +87,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_pipeline(cfg, dp)
     check_zero(cfg.zero)
     check_hpz(cfg, dp)
+    check_shard_size(cfg, dp)
     check_train(cfg, world_size, dp)
     check_optim(cfg.optim)
     check_data(cfg)

@@ -1,4 +1,5 @@
-"""zero.*: the ZeRO stage, offload and its NVMe directory, whether this machine can offload to NVMe, and hpZ."""
+"""zero.*: the ZeRO stage, offload and its NVMe directory, whether this machine can offload to NVMe, hpZ and hybrid
+sharding (shard_size)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,46 @@ def check_hpz(cfg: Config, dp: int) -> None:
             f"must divide the {partitions} ZeRO ranks (dp={dp} x cp={cfg.parallel.cp}) into groups",
             f"use one of {divisors}",
         )
+
+
+def check_shard_size(cfg: Config, dp: int) -> None:
+    """zero.shard_size: dp ranks per ZeRO partition group (HSDP), dividing dp, at stages 1-3, without offload or hpZ."""
+    z = cfg.zero
+    size = z.shard_size
+    if size is None:
+        return
+    if size < 1:
+        fail(
+            "zero.shard_size",
+            size,
+            "must be >= 1 (data-parallel ranks per ZeRO group)",
+            "use null to shard over all dp",
+        )
+    if z.stage == 0:
+        fail(
+            "zero.shard_size",
+            size,
+            "needs zero.stage >= 1 (ZeRO-0 shards nothing, every dp rank holds all states)",
+            "set zero.stage=1, 2 or 3, or zero.shard_size=null",
+        )
+    if dp % size:
+        divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        fail("zero.shard_size", size, f"must divide dp={dp} into groups of replicas", f"use one of {divisors}")
+    if size == dp:
+        return  # one group: plain ZeRO
+    if z.hpz > 1:
+        fail(
+            "zero.shard_size",
+            size,
+            f"and zero.hpz={z.hpz} both keep ZeRO-3's gathers inside a group of ranks; they do not compose here",
+            "use one: zero.hpz=1 or zero.shard_size=null",
+        )
+    for key, where in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
+        if where != "none":
+            fail(
+                "zero.shard_size",
+                size,
+                f"with zero.{key}={where}: DeepSpeed's offload measures the gradients while it copies them to the "
+                "host, before the replicas average them",
+                f"set zero.{key}=none or zero.shard_size=null",
+            )

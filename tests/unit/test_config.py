@@ -158,6 +158,19 @@ BAD = [
         "zero.hpz=3 must divide the 4 ZeRO ranks (dp=4 x cp=1) into groups; use one of 1, 2, 4",
     ),
     (["zero.stage=3", "zero.hpz=0"], 4, "zero.hpz=0 must be >= 1"),
+    (
+        ["zero.stage=2", "zero.shard_size=3"],
+        4,
+        "zero.shard_size=3 must divide dp=4 into groups of replicas; use one of 1, 2, 4",
+    ),
+    (["zero.shard_size=2"], 4, "zero.shard_size=2 needs zero.stage >= 1"),
+    (["zero.stage=1", "zero.shard_size=0"], 4, "zero.shard_size=0 must be >= 1"),
+    (["zero.stage=3", "zero.shard_size=2", "zero.hpz=2"], 4, "use one: zero.hpz=1 or zero.shard_size=null"),
+    (
+        ["zero.stage=2", "zero.shard_size=1", "zero.offload_optimizer=cpu"],
+        2,
+        "zero.shard_size=1 with zero.offload_optimizer=cpu: DeepSpeed's offload",
+    ),
     # Without these checks each is a traceback after the process group starts, or a run that goes wrong.
     (["seed=-1"], 1, "seed=-1 must be in [0, 2**63)"),  # numpy's sampler refused it at step 1
     (["seed=99999999999999999999"], 1, "must be in [0, 2**63)"),  # torch.manual_seed overflowed

@@ -11,6 +11,8 @@ only code that reaches into DeepSpeed's private attributes and methods.
   forget_run_in_deepspeed_globals DeepSpeed's module globals keep an ended run's model and process groups
   takes_output_backward           which of its optimizers take output.backward(grad) is said only in private
   use_hpz_group                   hpZ builds its groups over consecutive world ranks, ignoring the mpu's
+  hybrid.py                       hybrid sharding, which it no longer has: the replicas' gradient average and
+                                  checkpoint files
   universal_load.py               its loaders of the universal form cut TP shards and hyperparameters wrongly: ours
   nvme_checkpoint.py              its checkpoint of an optimizer swapped to NVMe saves the swapped states empty
 
