@@ -13,11 +13,11 @@ from megatron_lite.parallel.context import ParallelContext
 
 
 def zero3_partitioner(ds_config: dict, ctx: ParallelContext) -> tuple[Callable[[nn.Parameter], None], torch.dtype]:
-    """(partition, dtype) for build_model under ZeRO-3: each parameter is split over dp x cp as soon as it
-    exists, exactly as DeepSpeed would split the built model in deepspeed.initialize (same deepspeed.zero.Init
-    arguments, same per-parameter call), and in the dtype the engine trains in (bf16 params are rounded from
-    the fp32 init, as the engine's cast does); with NVMe parameter offload, after repairs.honour_explicit_zero3_dtype.
-    Engine's param_groups reads a partitioned parameter's `ds_shape`."""
+    """(partition, dtype) for build_model under ZeRO-3: each parameter is split over the ZeRO group (dp x cp, or
+    zero.shard_size's group) as soon as it exists, exactly as DeepSpeed would split the built model in
+    deepspeed.initialize (same deepspeed.zero.Init arguments, same per-parameter call), and in the dtype the engine
+    trains in (bf16 params are rounded from the fp32 init, as the engine's cast does); with NVMe parameter offload,
+    after repairs.honour_explicit_zero3_dtype. Engine's param_groups reads a partitioned parameter's `ds_shape`."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
