@@ -81,6 +81,10 @@ LAYOUTS: list[tuple[int, list[str]]] = [
         ],
     ),
     (4, ["parallel.tp=2", "parallel.cp=2", "zero.stage=3"]),
+    (4, ["zero.stage=2", "zero.shard_size=2", "train.global_batch_size=16"]),
+    # (d_model 256: past ZeRO-3's persistence threshold, so parameters are gathered)
+    (4, ["zero.stage=3", "zero.shard_size=2", "model.d_model=256", "train.global_batch_size=16"]),
+    (4, ["zero.stage=3", "zero.hpz=2", "model.d_model=256", "train.global_batch_size=16"]),
 ]
 
 
@@ -141,11 +145,11 @@ def measure_one(overrides: list[str], contexts: dict) -> dict:
     from megatron_lite.parallel.context import ParallelContext
 
     cfg = load(overrides)
-    p = cfg.parallel
-    if (p.tp, p.pp, p.cp) not in contexts:
-        contexts[(p.tp, p.pp, p.cp)] = ParallelContext.build(p.tp, p.pp, p.cp)
-    ctx = contexts[(p.tp, p.pp, p.cp)]
-    layout = Layout.of_run(cfg, ctx.world_size)
+    layout = Layout.of_run(cfg, dist.get_world_size())
+    groups = (layout.tp, layout.pp, layout.cp, layout.hpz, layout.shard_size)
+    if groups not in contexts:
+        contexts[groups] = ParallelContext.build(*groups)
+    ctx = contexts[groups]
     tracker = LiveTensorBytes()
     with tracker:
         partition, dtype = None, torch.float32

@@ -79,12 +79,13 @@ def rank_memory(cfg: ModelConfig, lay: Layout, pp_rank: int, cuda: bool = True) 
     bf16 = lay.precision == "bf16"
     st = zero_states(
         params,
-        lay.dp * lay.cp,
+        lay.zero_partitions,
         lay.zero_stage,
         bf16,
         lay.offload_optimizer != "none",
         lay.offload_param != "none",
         cuda,
+        lay.hpz,
     )
     chunks = rank_chunks(pp_rank, lay.pp, lay.vpp, cfg.n_layers, pp_layers, v_shaped(lay.schedule))
     first, last = any(c.has_embedding for c in chunks), any(c.has_head for c in chunks)

@@ -19,7 +19,9 @@ def layout_text(p: Prediction) -> str:
         f"pp {lay.pp}",
         f"vpp {lay.vpp}",
         lay.schedule if lay.pp > 1 else "no pipeline",
-        f"zero {lay.zero_stage}",
+        f"zero {lay.zero_stage}"
+        + (f" in groups of {lay.shard_size} dp ranks, {lay.replicas} replicas" if lay.replicas > 1 else "")
+        + (f" hpz {lay.hpz}" if lay.hpz > 1 else ""),
         f"recompute {lay.recompute}",
         f"micro-batch {lay.micro_batch_size}",
         f"accumulation {lay.accumulation}",
@@ -85,6 +87,8 @@ def row(p: Prediction) -> dict:
         "sp": lay.sp,
         "cp_mode": lay.cp_mode,
         "zero_stage": lay.zero_stage,
+        "shard_size": lay.shard_size,
+        "hpz": lay.hpz,
         "offload_optimizer": lay.offload_optimizer,
         "offload_param": lay.offload_param,
         "recompute": lay.recompute,

@@ -2,7 +2,7 @@
 
 engine/ds_config.py fixes the choices that decide it: AdamW (torch's, or DeepSpeed's CPU Adam when offloaded),
 reduce_bucket_size 5e7 elements, overlap_comm on CUDA for ZeRO >= 2, bf16 parameters only for ZeRO 1-3 with
-fp32 gradient accumulation and fp32 communication. With N ranks sharing the parameters (dp x cp), P parameters
+fp32 gradient accumulation and fp32 communication. With N ranks sharing the parameters (dp x cp; under zero.shard_size one group's), P parameters
 on the rank in two AdamW groups of n_g elements, b bytes per DeepSpeed parameter (2 bf16, 4 fp32):
 
   ZeRO-0    the model's fp32 parameters 4P, AdamW moments 8P, a 4-byte step counter per tensor; fp32 .grad 4P
@@ -21,6 +21,8 @@ on the rank in two AdamW groups of n_g elements, b bytes per DeepSpeed parameter
             (200 MB whatever the model), and every parameter of at most 1e5 elements kept whole on every rank
             (stage3_param_persistence_threshold) in a buffer of ceil(n_p / N) * N. Within a step the gathered
             parameters stay (max_live_parameters and reuse distance 1e9 elements keep all of a small model).
+            hpZ (zero.hpz) keeps a secondary shard of each parameter released after its forward until the step:
+            none below those 1e9 elements.
   offload   optimizer=cpu moves master, moments and the master gradients to host memory, with device staging
             buffers of the largest parameter (b m); param=cpu moves ZeRO-3's partitions to the host.
 ZeRO-3's backward reduce-scatters the ipg bucket's gradients in fp32 copies of at most max(5e7, the largest
@@ -101,8 +103,10 @@ def zero_states(
     offload_optimizer: bool = False,
     offload_param: bool = False,
     cuda: bool = True,
+    hpz: int = 1,
 ) -> States:
-    """States of one rank holding `params` (plan/params.py) with N ranks sharing them."""
+    """States of one rank holding `params` (plan/params.py) with N ranks sharing them (one ZeRO group: under
+    zero.shard_size a replica's); hpz: ZeRO++ hpZ's secondary-shard group size."""
     groups = [[p for p in params if p.decay], [p for p in params if not p.decay]]
     n = [sum(p.numel for p in g) for g in groups]
     P, m, count = sum(n), max((p.numel for p in params), default=0), len(params)
@@ -199,6 +203,11 @@ def zero_states(
     fetched = N > 1 or (offload_param and cuda)
     gathered = min(sum(p.numel for p in params if p.numel > PERSIST or N == 1), MAX_LIVE) if fetched else 0
     partitions = b * sum(shards)
+    # hpZ: a parameter released after its forward keeps a secondary shard, 1/hpz of it, until the step. DeepSpeed
+    # releases only past max_live_parameters (the reuse distance, also 1e9, keeps the rest until their backward),
+    # so a model with fewer gathered elements keeps none (measured on CPU at d_model 256: not a byte)
+    releasable = sum(p.numel for p in params if p.numel > PERSIST) - MAX_LIVE
+    secondary = b * math.ceil(releasable / hpz) if hpz > 1 and N > 1 and releasable > 0 else 0
     scalars = 1 + 8  # nan tracker, fp64 norm
     if offload_optimizer:
         host = 16 * sum(shards) + 4 * sum(shards)
@@ -213,7 +222,7 @@ def zero_states(
         buffers=4 * BUCKET + scalars,
         host=host + host_params,
         step_grads=0,
-        step_held=b * gathered,
+        step_held=b * gathered + secondary,
         backward=_zero3_reduce(shards, N, m),
         step=max(4 * max(shards), _adam_temp(shards, shards, cuda)),
         host_optimizer=12 * sum(shards) if offload_optimizer else 0,

@@ -147,7 +147,10 @@ class StepModel:
         lay = layout
         self.tp_link = cluster.link(lay.tp, 1)
         self.cp_link = cluster.link(lay.cp, lay.tp)
-        self.dp_link = cluster.link(lay.dp * lay.cp, lay.tp)
+        self.dp_link = cluster.link(lay.zero_partitions, lay.tp)  # one ZeRO group (zero.shard_size's, or all dp x cp)
+        # hybrid sharding's replicas: the ranks at one place of every ZeRO group, a group's width apart
+        self.replica_link = cluster.link(lay.replicas, lay.zero_partitions * lay.tp)
+        self.hpz_link = cluster.link(lay.hpz, lay.tp)  # hpZ's secondary-shard groups: consecutive ZeRO ranks
         self.pp_link = cluster.link(lay.pp, lay.tp * lay.cp * lay.dp)
         self.s = cfg.seq_len // lay.cp  # tokens of a sequence on this rank
         self.T = lay.micro_batch_size * self.s  # tokens of a micro-batch on this rank
@@ -269,7 +272,7 @@ class StepModel:
 
     def _dp_and_optimizer(self, params_per_rank: int, backward_s: float) -> tuple[float, float]:
         """(exposed DP/ZeRO communication, optimizer step) seconds per step for `params_per_rank` parameters."""
-        lay, n, link = self.lay, self.lay.dp * self.lay.cp, self.dp_link
+        lay, n, link = self.lay, self.lay.zero_partitions, self.dp_link
         m = lay.accumulation
         P = params_per_rank
         reduce = link.all_reduce(P * self.system.reduce_bytes, n)
@@ -277,12 +280,19 @@ class StepModel:
         gather = link.gather(P * self.act, n) if lay.zero_stage in (1, 2) and self.system.gathers_params else 0.0
         if lay.zero_stage in self.system.dp_overlap_stages:
             # DeepSpeed 0.19: ZeRO-2 all-reduces each bucket, ZeRO-3 reduce-scatters (half the bytes) and gathers
-            # the parameters for forward and backward (tools/bench_comm.py counts both)
-            per_micro = reduce if lay.zero_stage == 2 else reduce / 2 + 2 * link.gather(P * self.act, n)
+            # the parameters for forward and backward (tools/bench_comm.py counts both); with hpZ the backward's
+            # gather is within its group, from the secondary shards
+            backward_gather = (
+                self.hpz_link.gather(P * self.act, lay.hpz) if lay.hpz > 1 else link.gather(P * self.act, n)
+            )
+            per_micro = reduce if lay.zero_stage == 2 else reduce / 2 + link.gather(P * self.act, n) + backward_gather
             exposed = m * max(0.0, per_micro - backward_s)
         else:
             exposed = reduce
         partition = P / n if lay.zero_stage >= 1 else P
+        if lay.replicas > 1:  # hybrid sharding: the replicas average each rank's fp32 partition once, before the step
+            averaged = P if (lay.zero_stage, lay.precision) == (1, "bf16") else partition  # BF16_Optimizer: whole
+            exposed += self.replica_link.all_reduce(averaged * 4, lay.replicas)
         if lay.offload_optimizer != "none":
             optimizer = partition / CPU_ADAM_PARAMS_PER_S + partition * (4 + self.act) / PCIE_BPS
         else:

@@ -61,17 +61,6 @@ def notes(cfg: Config) -> list[str]:
         )
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")
-    if cfg.zero.hpz > 1:
-        out.append(
-            f"zero.hpz={cfg.zero.hpz}: train.py --check and --plan leave hpZ out (its secondary shards, about the "
-            f"gathered parameters / {cfg.zero.hpz} per rank in the working dtype, and its smaller backward "
-            "all-gathers are not priced yet)"
-        )
-    if cfg.zero.shard_size is not None:
-        out.append(
-            f"zero.shard_size={cfg.zero.shard_size}: train.py --check and --plan price ZeRO over all dp ranks (the "
-            "replicas' larger shards and their average of the gradients are not priced yet)"
-        )
     return out
 
 
