@@ -78,7 +78,8 @@ def check_hpz(cfg: Config, dp: int) -> None:
 
 
 def check_shard_size(cfg: Config, dp: int) -> None:
-    """zero.shard_size: dp ranks per ZeRO partition group (HSDP), dividing dp, at stages 1-3, without offload or hpZ."""
+    """zero.shard_size: dp ranks per ZeRO partition group (HSDP), dividing dp, at stages 1-3, without hpZ, and
+    with optimizer offload at stage 3 only."""
     z = cfg.zero
     size = z.shard_size
     if size is None:
@@ -109,12 +110,11 @@ def check_shard_size(cfg: Config, dp: int) -> None:
             f"and zero.hpz={z.hpz} both keep ZeRO-3's gathers inside a group of ranks; they do not compose here",
             "use one: zero.hpz=1 or zero.shard_size=null",
         )
-    for key, where in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
-        if where != "none":
-            fail(
-                "zero.shard_size",
-                size,
-                f"with zero.{key}={where}: DeepSpeed's offload measures the gradients while it copies them to the "
-                "host, before the replicas average them",
-                f"set zero.{key}=none or zero.shard_size=null",
-            )
+    if z.offload_optimizer != "none" and z.stage < 3:
+        fail(
+            "zero.shard_size",
+            size,
+            f"with zero.offload_optimizer={z.offload_optimizer} at zero.stage={z.stage}: DeepSpeed's ZeRO-1/2 offload "
+            "measures each gradient as it copies it to the host in backward, before the replicas average them",
+            "set zero.stage=3 (its offload copies at the step), zero.offload_optimizer=none or zero.shard_size=null",
+        )

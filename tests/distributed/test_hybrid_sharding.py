@@ -22,6 +22,7 @@ CASES = {
     "z1_shard2": ["zero.stage=1", "zero.shard_size=2"],
     "z2_shard2": ["zero.stage=2", "zero.shard_size=2"],
     "z3_shard2": ["zero.stage=3", "zero.shard_size=2"],
+    "z3_shard2_offload": ["zero.stage=3", "zero.shard_size=2", "zero.offload_optimizer=cpu", "zero.offload_param=cpu"],
     "tp2_sp_z3_shard1": ["zero.stage=3", "zero.shard_size=1", "parallel.tp=2", "parallel.sp=true"],
     "cp2_z3_shard1": ["zero.stage=3", "zero.shard_size=1", "parallel.cp=2"],
     "pp2_vpp2_z2_shard1": ["zero.stage=2", "zero.shard_size=1", "parallel.pp=2", "parallel.vpp=2"],

@@ -169,7 +169,7 @@ BAD = [
     (
         ["zero.stage=2", "zero.shard_size=1", "zero.offload_optimizer=cpu"],
         2,
-        "zero.shard_size=1 with zero.offload_optimizer=cpu: DeepSpeed's offload",
+        "zero.shard_size=1 with zero.offload_optimizer=cpu at zero.stage=2: DeepSpeed's ZeRO-1/2 offload",
     ),
     # Without these checks each is a traceback after the process group starts, or a run that goes wrong.
     (["seed=-1"], 1, "seed=-1 must be in [0, 2**63)"),  # numpy's sampler refused it at step 1

@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 
 def average_over_replicas(optimizer, group, replicas: int) -> None:
-    """Wrap the ZeRO optimizer's step so that it first averages this rank's reduced gradients over the replicas
-    (`group`: the rank at this place of every replica's ZeRO group). Where they are, by DeepSpeed optimizer:
+    """Make the ZeRO optimizer first average this rank's reduced gradients over the replicas (`group`: the rank at
+    this place of every replica's ZeRO group), once a step. Where they are, by DeepSpeed optimizer:
 
       ZeRO-3                         the flat buffer of this rank's partitions (every parameter's), filled by the
-                                     reduce-scatter of each backward
+                                     reduce-scatter of each backward, averaged at the accumulation boundary
       ZeRO-1 and -2                  averaged_gradients: this rank's partition of each group, as tensors the
                                      boundary assembled
       ZeRO-1 bf16 (BF16_Optimizer)   the whole fp32 gradients, all-reduced within the group: it measures the norm
@@ -30,16 +30,20 @@ def average_over_replicas(optimizer, group, replicas: int) -> None:
 
     Without it each replica steps on its own group's batch only (tests/distributed/test_zero.py: hybrid sharding
     follows the single process; measured without: losses 2.6e-3 off by step 6 at dp 4, shard_size 2)."""
-    step = optimizer.step
+    # ZeRO-3 before its boundary's own work, where an offloaded optimizer copies the partitions to the host and
+    # measures them; the others before the step (their offload measures each gradient as it copies it in backward)
+    name = "finalize_gradient_accumulation_boundary" if hasattr(optimizer, "grad_partitions_flat_buffer") else "step"
+    then = getattr(optimizer, name)
 
-    def step_after_average(*args, **kwargs):
+    def after_average(*args, **kwargs):
         for flat, scatter in _reduced_gradients(optimizer):
             dist.all_reduce(flat, group=group)
             flat.div_(replicas)
             scatter(flat)
-        return step(*args, **kwargs)
+            del flat  # (one group's copy at a time: plan/states.py prices the step's transients)
+        return then(*args, **kwargs)
 
-    optimizer.step = step_after_average
+    setattr(optimizer, name, after_average)
 
 
 def _reduced_gradients(optimizer):
@@ -57,7 +61,6 @@ def _reduced_gradients(optimizer):
             if flat is not None:
                 yield flat.view(-1), _in_place
                 continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
 
             def scatter(reduced, grads=grads):
                 offset = 0
@@ -65,7 +68,7 @@ def _reduced_gradients(optimizer):
                     g.copy_(reduced[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
 
-            yield flat, scatter
+            yield torch.cat([g.reshape(-1) for g in grads]), scatter
 
 
 def _in_place(_flat) -> None:
