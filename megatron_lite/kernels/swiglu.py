@@ -14,8 +14,8 @@ and outputs stay in h's dtype.
 
 Memory traffic (e = element size, n = rows): forward reads 2nf e and writes nf e; backward reads 2nf e (h)
 and nf e (g), and writes 2nf e: 8nf element moves in all. The unfused torch path (silu, mul; in backward
-two muls, silu's backward and the cat of the chunk gradients) moves about 18nf and keeps silu(gate) as one
-more saved (..., f) activation.
+two muls, silu's backward and the cat of the chunk gradients) moves about 18nf; like this kernel, it saves only h
+(its silu(gate) is recomputed in backward too).
 
 h must have unit stride in its last dim (a GEMM output has); other leading dims are flattened with reshape,
 which copies only when they cannot be viewed as rows. Left out on purpose: a fused fc_in GEMM (cuBLAS does
@@ -34,9 +34,27 @@ BLOCK_F = 128  # columns per program; the tile (ROWS, BLOCK_F) is 4096 elements
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
-    """h (..., 2f) = [gate | up] -> silu(gate) * up (..., f), exactly as the model's torch path."""
-    gate, up = h.chunk(2, -1)
-    return F.silu(gate) * up
+    """h (..., 2f) = [gate | up] -> silu(gate) * up (..., f): the model's torch path. Its gradient is autograd's
+    for those two ops, bit for bit, but it keeps only h, as the Triton kernel does, not also silu(gate): 3f per
+    token with the product fc_out keeps, not 4f (plan/activations.py)."""
+    return _SwiGLUReference.apply(h)
+
+
+class _SwiGLUReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, -1)
+        ctx.save_for_backward(h)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, -1)
+        # what autograd runs for silu(gate) * up: mul's two gradients, silu's backward, the chunk's cat
+        d_up = g * F.silu(gate)
+        d_gate = torch.ops.aten.silu_backward(g * up, gate)
+        return torch.cat([d_gate, d_up], -1)
 
 
 @triton.jit

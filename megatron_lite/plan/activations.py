@@ -11,7 +11,8 @@ tensors of the real model). Where we differ from the paper, and why:
   - the attention output is kept twice: as the kernel's output and as its (b, s, h/t) copy in token order
     that the output projection saves.
   - norms keep fp32 statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms and the normalised fp32 input).
-  - SwiGLU keeps [gate | up], silu(gate) and the product: 4f per token; GeLU the pre- and post-activation: 2f.
+  - SwiGLU keeps [gate | up] and the product: 3f per token (both kernels recompute silu(gate) in backward);
+    GeLU the pre- and post-activation: 2f.
   - residual dropout keeps a bool mask (1 byte); attention dropout is fused into SDPA (flash) or a float mask.
   - ZeRO-0 under bf16 autocast keeps the residual stream and norms in fp32 and each matmul's bf16 input copy;
     the bf16 copy of every weight it multiplies is made once a step and shared by its micro-batches
@@ -92,7 +93,7 @@ def block_saved(cfg: ModelConfig, x: MicroShape) -> dict[str, int]:
         "norm2.in": n2["in"],
         "norm2.stats": n2["stats"],
         "fc_in.in": n2["out"],
-        "mlp.act": T * f * (4 if cfg.activation == "swiglu" else 2) * x.act,  # see module docstring
+        "mlp.act": T * f * (3 if cfg.activation == "swiglu" else 2) * x.act,  # see module docstring
     }
     out.update(attention_saved(cfg, x, a, k))
     if x.dropout:

@@ -119,6 +119,27 @@ def test_swiglu_matches_reference(device, dtype, shape, f):
     _check(swiglu_triton, swiglu_reference, [h], "_SwiGLU", dtype, seed=f)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_reference_is_autograds_and_keeps_only_h(dtype):
+    """The torch path's own backward (which keeps h and recomputes silu(gate)) gives autograd's gradient of
+    silu(gate) * up bit for bit, and saves one tensor, h, where autograd's graph also saved silu(gate)."""
+    from megatron_lite.kernels.swiglu import swiglu_reference
+
+    h = (torch.randn(3, 7, 2 * 40, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    g = torch.randn(3, 7, 40, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours, plain = h.clone().requires_grad_(), h.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = swiglu_reference(ours)
+    gate, up = plain.chunk(2, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.equal(out, expected)
+    out.backward(g)
+    expected.backward(g)
+    assert torch.equal(ours.grad, plain.grad)
+    assert len(saved) == 1 and saved[0].shape == h.shape
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_swiglu_gradient_is_one_buffer_laid_out_like_h(device):
     from megatron_lite.kernels.swiglu import swiglu_triton
