@@ -33,10 +33,38 @@ from megatron_lite.kernels.row_tiles import MAX_BWD_PROGRAMS, as_rows, row_tile
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's torch RMSNorm, operation for operation (tests compare the model to it bit for bit)."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    """The model's torch RMSNorm: weight * (x / rms(x)), computed in fp32 and rounded to x's dtype before the
+    weight. Its backward is autograd's for those operations, bit for bit (tests/unit/test_kernels_norm.py), but
+    it keeps x in its own dtype and the fp32 1/rms, as the Triton kernel does, where autograd's graph kept an fp32
+    copy of x and the normalised x as well (plan/activations.py)."""
+    return _RMSNormReference.apply(x, weight, eps)
+
+
+class _RMSNormReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x32 = x.float()
+        y = x32 * rstd  # recomputed: the normalised input
+        # autograd's steps for the forward's operations, in its order: weight * y_lp, the cast, x32 * rstd,
+        # rsqrt, the mean and pow
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (g * y.to(x.dtype)).sum_to_size(weight.shape)
+        d_y = (g * weight).to(x.dtype).float()  # autograd hands y_lp its gradient in y_lp's dtype
+        d_x32 = d_y * rstd
+        d_rstd = (d_y * x32).sum(-1, keepdim=True)
+        d_mean = -0.5 * d_rstd * rstd.pow(3)
+        d_square = d_mean.expand_as(x32) / x32.shape[-1]
+        d_x32 = d_x32 + d_square * (2.0 * x32)
+        return d_x32.to(x.dtype), d_weight, None
 
 
 @triton.jit

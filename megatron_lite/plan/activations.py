@@ -10,7 +10,8 @@ tensors of the real model). Where we differ from the paper, and why:
     softmax output, a float dropout mask and the dropped probabilities: three as²b terms.
   - the attention output is kept twice: as the kernel's output and as its (b, s, h/t) copy in token order
     that the output projection saves.
-  - norms keep fp32 statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms and the normalised fp32 input).
+  - norms keep their input and fp32 statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms, recomputing the
+    normalised input in backward, as its Triton kernel does).
   - SwiGLU keeps [gate | up] and the product: 3f per token (both kernels recompute silu(gate) in backward);
     GeLU the pre- and post-activation: 2f.
   - residual dropout keeps a bool mask (1 byte); attention dropout is fused into SDPA (flash) or a float mask.
@@ -71,8 +72,8 @@ def _norm(cfg: ModelConfig, x: MicroShape) -> dict[str, int]:
     R, h = x.res_tokens, cfg.d_model
     if cfg.norm == "layernorm":
         kept = {"in": R * h * x.res, "stats": 2 * R * x.stats}
-    else:  # kernels/rmsnorm.py's reference: x.float() and 1/rms (fp32), y = x * 1/rms in the stream's dtype
-        kept = {"in": R * h * F32, "stats": R * F32 + R * h * x.res}
+    else:  # kernels/rmsnorm.py, either kernel: x in the stream's dtype and the fp32 1/rms
+        kept = {"in": R * h * x.res, "stats": R * F32}
     if x.autocast and not x.sp:  # the matmul casts its input to bf16 and keeps that copy
         kept["out"] = x.tokens * h * 2
     else:  # SP: the column-parallel matmul keeps the sequence shard it gathers (parallel/layers.py)

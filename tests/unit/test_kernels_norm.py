@@ -92,6 +92,45 @@ def test_rms_norm_matches_reference(device, dtype, shape):
     )
 
 
+def _plain_rms_norm(x, weight, eps):
+    """The reference's operations as autograd records them (before the reference had a backward of its own)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+)
+def test_rms_norm_reference_is_autograds_and_keeps_x_and_rstd(x_dtype, w_dtype):
+    """The torch path's own backward gives autograd's gradients of its forward's operations bit for bit (input
+    and weight, and the weight frozen), and saves x in its dtype, the weight and the fp32 1/rms: no fp32 copy of x
+    and no normalised x, which autograd's graph kept."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 5, 96, generator=gen) * 2).to(x_dtype)
+    w = (1 + torch.randn(96, generator=gen) / 4).to(w_dtype)
+    g = torch.randn(4, 5, 96, generator=gen).to(torch.promote_types(x_dtype, w_dtype))
+    for frozen in (False, True):
+        xs, ws = (
+            [x.clone().requires_grad_() for _ in range(2)],
+            [w.clone().requires_grad_(not frozen) for _ in range(2)],
+        )
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            ours = rmsnorm.rms_norm_reference(xs[0], ws[0], EPS)
+        plain = _plain_rms_norm(xs[1], ws[1], EPS)
+        assert torch.equal(ours, plain)
+        ours.backward(g)
+        plain.backward(g)
+        assert torch.equal(xs[0].grad, xs[1].grad), (x_dtype, w_dtype, frozen)
+        assert frozen or torch.equal(ws[0].grad, ws[1].grad), (x_dtype, w_dtype)
+        assert [(t.dtype, t.shape) for t in saved] == [
+            (x_dtype, x.shape),
+            (w_dtype, w.shape),
+            (torch.float32, (4, 5, 1)),
+        ]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
