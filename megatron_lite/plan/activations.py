@@ -18,8 +18,11 @@ tensors of the real model). Where we differ from the paper, and why:
   - ZeRO-0 under bf16 autocast keeps the residual stream and norms in fp32 and each matmul's bf16 input copy;
     the bf16 copy of every weight it multiplies is made once a step and shared by its micro-batches
     (parallel/weight_grad.py one_copy_per_step), so plan/memory.py counts it once per rank, not per micro-batch.
-The torch kernels (kernels.backend=torch, what `auto` means today) are counted; the Triton kernels keep less
-(they fuse a norm's statistics and the cross entropy's gradient), so for them this is an upper bound.
+The kernels are counted as kernels.backend=auto picks them: on a GPU the Triton cross entropy (the logits in their
+dtype, overwritten by their gradient, where torch's path keeps an fp32 log-softmax and two more buffers in
+backward) and fp32 norm statistics; RMSNorm and SwiGLU keep the same on either path. Counted exact against autograd
+for both backends (tests/unit/test_plan.py, Triton's interpreter on CPU). kernels.backend=torch on a GPU keeps
+more at the head than priced.
 
 Recomputation: `selective` drops the attention core's tensors and keeps its inputs (q, k, v); `full` keeps only
 each recomputed layer's input, and its backward briefly rebuilds that one layer (counted as a transient).
@@ -55,6 +58,7 @@ class MicroShape:
     stats: int = 4  # bytes of a LayerNorm statistic: fp32 on a GPU, the input's dtype on a CPU
     math: int = 4  # bytes per element of the math attention path's tensors (CPU: fp32 whatever the input)
     f32_wgrad: bool = False  # a CPU under autocast: a linear's fp32 weight gradient multiplies fp32 copies
+    triton_ce: bool = False  # the Triton cross entropy (kernels.backend=auto on CUDA): keeps the logits as they are
 
     @property
     def tokens(self) -> int:
@@ -189,19 +193,24 @@ def head_vocab(cfg: ModelConfig, tp: int) -> int:
 
 
 def head_saved(cfg: ModelConfig, x: MicroShape) -> int:
-    """The final norm, the head's input and the cross entropy's fp32 (log-)softmax over this rank's columns."""
+    """The final norm, the head's input and what the cross entropy keeps: the torch path its fp32 (log-)softmax
+    over this rank's real columns; the Triton kernel the logits themselves (every padded column, in their dtype)
+    and two fp32 row statistics."""
     T, h = x.tokens, cfg.d_model
     norm = _norm(cfg, x)
     if x.sp:  # the head keeps the sequence it gathers, not the norm's shard
         norm["out"] = T * h * x.act
+    if x.triton_ce:  # kernels/cross_entropy.py: logits, a contiguous copy of the labels, row max and sum of exp
+        return sum(norm.values()) + T * padded_vocab(cfg, x.tp) // x.tp * x.act + T * I64 + 2 * T * F32
     labels = T * (I64 + BOOL) if x.tp > 1 else T * I64  # TP: local ids and ownership mask; else a copy
     loss = F32  # the mean's input size
     return sum(norm.values()) + T * head_vocab(cfg, x.tp) * F32 + labels + loss
 
 
 def head_backward_transient(cfg: ModelConfig, x: MicroShape) -> int:
-    """The cross entropy's backward holds two more fp32 buffers of the logits' size next to the kept one."""
-    return 2 * x.tokens * head_vocab(cfg, x.tp) * F32
+    """The torch cross entropy's backward holds two more fp32 buffers of the logits' size next to the kept one;
+    the Triton kernel writes the gradient over the logits it kept."""
+    return 0 if x.triton_ce else 2 * x.tokens * head_vocab(cfg, x.tp) * F32
 
 
 def autocast_weights(cfg: ModelConfig, x: MicroShape, layers: int, head: bool) -> int:

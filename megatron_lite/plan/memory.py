@@ -69,6 +69,7 @@ def micro_shape(cfg: ModelConfig, lay: Layout, cuda: bool) -> A.MicroShape:
         dropout=cfg.dropout > 0,
         stats=4 if cuda else res,
         f32_wgrad=autocast and not cuda,
+        triton_ce=cuda,  # kernels.backend=auto's choice on CUDA (kernels/__init__.py TRITON_FASTER_ON_CUDA)
     )
 
 

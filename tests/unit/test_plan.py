@@ -7,6 +7,7 @@ group -- the parameters a rank holds, every tensor a layer keeps for backward, t
 """
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -56,11 +57,13 @@ def test_rank_params_are_the_built_models(kw, pp, vpp):
         assert built == [(p.name, p.numel) for p in rank_params(cfg, 1, pp, vpp, rank)], (pp, vpp, rank)
 
 
-def _saved_bytes(cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype) -> int:
-    """Bytes of every distinct storage autograd keeps for backward over one forward (parameters, buffers excluded)."""
+def _saved_bytes(cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype, backend: str = "torch") -> int:
+    """Bytes of every distinct storage autograd keeps for backward over one forward (parameters, buffers excluded),
+    with the kernels of `backend`."""
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype).train()
     model.set_recompute(recompute)
+    model.set_kernels(backend)
     tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1))
     kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen, total = set(), [0]
@@ -105,6 +108,37 @@ def test_activations_are_every_tensor_autograd_keeps(kw, dropout, dtype, recompu
     )
     assert layer == A.layer_bytes(cfg, x, recompute)
     one = _saved_bytes(dataclasses.replace(cfg, n_layers=1), recompute, b, dtype)
+    assert one - layer == A.embedding_saved(cfg, x) + A.head_saved(cfg, x)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_activations_with_the_triton_kernels(kw, dtype, recompute):
+    """The same count with kernels.backend=triton (Triton's interpreter on CPU), as the planner prices a GPU run
+    (auto there picks the Triton cross entropy, which keeps the logits in their dtype where torch's path keeps an
+    fp32 log-softmax, and fp32 norm statistics): to the byte."""
+    cfg, b = ModelConfig(n_layers=2, **kw), 2
+    act = 2 if dtype == torch.bfloat16 else 4
+    x = A.MicroShape(
+        b=b,
+        s=cfg.seq_len,
+        tp=1,
+        sp=False,
+        cp=1,
+        cp_mode="ring",
+        flash=True,
+        act=act,
+        res=act,
+        autocast=False,
+        dropout=False,
+        stats=4,
+        triton_ce=True,
+    )
+    triton = functools.partial(_saved_bytes, recompute=recompute, b=b, dtype=dtype, backend="triton")
+    layer = triton(dataclasses.replace(cfg, n_layers=3)) - triton(cfg)
+    assert layer == A.layer_bytes(cfg, x, recompute)
+    one = triton(dataclasses.replace(cfg, n_layers=1))
     assert one - layer == A.embedding_saved(cfg, x) + A.head_saved(cfg, x)
 
 
@@ -174,7 +208,7 @@ def test_check_prints_one_line_and_refuses_a_layout_that_does_not_fit(tmp_path):
     assert ok.stdout.startswith("layout: dp 8, tp 2 +sp") and "GiB per GPU" in ok.stdout and "MFU" in ok.stdout
     (row,) = json.loads((tmp_path / "ok.json").read_text())
     assert row["fits"] and (row["tp"], row["dp"], row["zero_stage"], row["micro_batch_size"]) == (2, 8, 2, 1)
-    bad = _train_py("--check", "model=llama-7b", "parallel.tp=8", world=16)
+    bad = _train_py("--check", "model=llama-7b", "zero.stage=0", "train.global_batch_size=128", world=16)
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "GiB more than the" in bad.stderr and "fastest fix: " in bad.stderr
 
@@ -264,6 +298,8 @@ def test_a_fix_applied_as_printed_gives_the_layout_it_priced():
         ],
         ["parallel.tp=2", "zero.stage=1", "train.recompute=selective", "train.micro_batch_size=4"],
         ["parallel.cp=2", "parallel.cp_mode=ulysses", "zero.stage=0", "train.micro_batch_size=4"],
+        ["zero.stage=0", "train.micro_batch_size=4"],
+        ["parallel.tp=2", "zero.stage=1", "train.micro_batch_size=4"],
     ]
     searched = [lay.overrides() for lay in itertools.islice(layouts(cfg.model, 32, 8, 8), 7, None, 211)]
     fixed = 0
