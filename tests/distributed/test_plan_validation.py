@@ -1,6 +1,6 @@
-"""The planner's memory model (megatron_lite/plan) against memory measured on CPU, per rank, for 28 layouts of the
+"""The planner's memory model (megatron_lite/plan) against memory measured on CPU, per rank, for 31 layouts of the
 tiny presets: every axis, ZeRO 0-3, recompute none / selective / full (every 2nd layer too), vpp, cp ring and
-Ulysses, offload, both flavours, dropout, bf16 (tools/plan_validation.py measures; its table is
+Ulysses, offload, both flavours, dropout, bf16, hybrid sharding and hpZ (tools/plan_validation.py measures; its table is
 bench/results/plan_validation_cpu.md).
 
   states       exact: parameters, optimizer, and the rest (gradient buffers, buckets, scalars), each to within
