@@ -200,20 +200,9 @@ def main(argv=None) -> None:
                 f"{r['case']:<22}{r['measured_bus_bytes']:>14,}{r['analytic']:>14,}{r['ratio']:>8.3f}  {r['by_kind']}"
             )
         if args.out:
-            import datetime
+            from tools.commit import cpu_record
 
-            from tools.commit import git_commit
-
-            record = {
-                "bench": "comm",
-                "world": world,
-                "model": "tiny",
-                "precision": "fp32",
-                "rows": rows,
-                "date": datetime.date.today().isoformat(),
-                "commit": git_commit(),
-                "device": "CPU (gloo)",
-            }
+            record = cpu_record("comm", world=world, model="tiny", precision="fp32", rows=rows)
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
     dist.barrier()

@@ -208,21 +208,11 @@ def main(argv=None) -> None:
                 f"{r['crossing_bytes'] / zero3:>10.3f}  {r['by_kind']}"
             )
         if args.out:
-            import datetime
+            from tools.commit import cpu_record
 
-            from tools.commit import git_commit
-
-            record = {
-                "bench": "hybrid",
-                "world": world,
-                "nodes": nodes,
-                "model": "gpt-tiny, d_model 256",
-                "precision": "fp32",
-                "rows": rows,
-                "date": datetime.date.today().isoformat(),
-                "commit": git_commit(),
-                "device": "CPU (gloo)",
-            }
+            record = cpu_record(
+                "hybrid", world=world, nodes=nodes, model="gpt-tiny, d_model 256", precision="fp32", rows=rows
+            )
             with open(args.out, "w") as f:
                 json.dump(record, f, indent=1)
     dist.barrier()

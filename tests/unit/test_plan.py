@@ -80,15 +80,10 @@ def _saved_bytes(cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype, b
     return total[0]
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["flash", "math-sdpa"])
-@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
-def test_activations_are_every_tensor_autograd_keeps(kw, dropout, dtype, recompute):
-    """One layer (a 3-layer model minus a 2-layer one) and the embedding + head (1 layer minus one layer), to the
-    byte: CPU SDPA takes its fused flash kernel without dropout and its math path with it."""
-    cfg, b = ModelConfig(n_layers=2, dropout=dropout, **kw), 2
-    act = 2 if dtype == torch.bfloat16 else 4
+def _assert_priced_to_the_byte(cfg: ModelConfig, recompute: str, dtype: torch.dtype, backend: str = "torch") -> None:
+    """One layer (a 3-layer model minus a 2-layer one) and the embedding + head (1 layer minus one layer) keep
+    exactly what plan/activations.py prices for them."""
+    b, act, triton = 2, 2 if dtype == torch.bfloat16 else 4, backend == "triton"
     x = A.MicroShape(
         b=b,
         s=cfg.seq_len,
@@ -96,19 +91,28 @@ def test_activations_are_every_tensor_autograd_keeps(kw, dropout, dtype, recompu
         sp=False,
         cp=1,
         cp_mode="ring",
-        flash=dropout == 0,
+        flash=cfg.dropout == 0,
         act=act,
         res=act,
         autocast=False,
-        dropout=dropout > 0,
-        stats=act,
+        dropout=cfg.dropout > 0,
+        stats=4 if triton else act,  # the Triton LayerNorm keeps fp32 statistics, as CUDA's does
+        triton_ce=triton,
     )
-    layer = _saved_bytes(dataclasses.replace(cfg, n_layers=3), recompute, b, dtype) - _saved_bytes(
-        cfg, recompute, b, dtype
-    )
+    saved = functools.partial(_saved_bytes, recompute=recompute, b=b, dtype=dtype, backend=backend)
+    layer = saved(dataclasses.replace(cfg, n_layers=3)) - saved(cfg)
     assert layer == A.layer_bytes(cfg, x, recompute)
-    one = _saved_bytes(dataclasses.replace(cfg, n_layers=1), recompute, b, dtype)
+    one = saved(dataclasses.replace(cfg, n_layers=1))
     assert one - layer == A.embedding_saved(cfg, x) + A.head_saved(cfg, x)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["flash", "math-sdpa"])
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_activations_are_every_tensor_autograd_keeps(kw, dropout, dtype, recompute):
+    """To the byte: CPU SDPA takes its fused flash kernel without dropout and its math path with it."""
+    _assert_priced_to_the_byte(ModelConfig(n_layers=2, dropout=dropout, **kw), recompute, dtype)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective"])
@@ -118,28 +122,7 @@ def test_activations_with_the_triton_kernels(kw, dtype, recompute):
     """The same count with kernels.backend=triton (Triton's interpreter on CPU), as the planner prices a GPU run
     (auto there picks the Triton cross entropy, which keeps the logits in their dtype where torch's path keeps an
     fp32 log-softmax, and fp32 norm statistics): to the byte."""
-    cfg, b = ModelConfig(n_layers=2, **kw), 2
-    act = 2 if dtype == torch.bfloat16 else 4
-    x = A.MicroShape(
-        b=b,
-        s=cfg.seq_len,
-        tp=1,
-        sp=False,
-        cp=1,
-        cp_mode="ring",
-        flash=True,
-        act=act,
-        res=act,
-        autocast=False,
-        dropout=False,
-        stats=4,
-        triton_ce=True,
-    )
-    triton = functools.partial(_saved_bytes, recompute=recompute, b=b, dtype=dtype, backend="triton")
-    layer = triton(dataclasses.replace(cfg, n_layers=3)) - triton(cfg)
-    assert layer == A.layer_bytes(cfg, x, recompute)
-    one = triton(dataclasses.replace(cfg, n_layers=1))
-    assert one - layer == A.embedding_saved(cfg, x) + A.head_saved(cfg, x)
+    _assert_priced_to_the_byte(ModelConfig(n_layers=2, **kw), recompute, dtype, "triton")
 
 
 @pytest.mark.parametrize(
