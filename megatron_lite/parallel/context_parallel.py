@@ -254,7 +254,10 @@ def ring_forward(q, k, v, call: RingCall):
     cp, rank = ring.size, ring.rank
     scale, heads, chunk = 1.0 / math.sqrt(q.shape[-1]), q.shape[1], q.shape[2] // 2
     qs = q.chunk(2, dim=2)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # laid out (b, s, heads, hd) as a fused kernel lays its output: the output projection's input, in token order,
+    # is then a view of what this function saves, not a second copy (GPT attention's transpose + reshape)
+    b, _, s, d = q.shape
+    out = torch.zeros(b, s, heads, d, dtype=torch.float32, device=q.device).transpose(1, 2)
     lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
     outs, lses = out.chunk(2, dim=2), lse.chunk(2, dim=2)  # views: the blocks update them in place
     kv, aux = torch.stack([k, v]), None
@@ -276,7 +279,11 @@ def ring_forward(q, k, v, call: RingCall):
             o_lse.copy_(merged)
         if pending is not None:
             kv = ring.wait(pending)
-    return out.to(q.dtype), lse, aux  # aux: the same for every block (equal chunks, no dropout)
+    return (
+        out.to(q.dtype),
+        lse,
+        aux,
+    )  # (to() keeps the layout); aux: the same for every block (equal chunks, no dropout)
 
 
 def ring_backward(grad_out, q, k, v, out, lse, aux, call: RingCall):

@@ -8,8 +8,9 @@ tensors of the real model). Where we differ from the paper, and why:
     log-sum-exp instead of the s²-sized scores, probabilities and mask: the 5as²b term is gone, b·s·h·a/t
     elements (the output) and an fp32 row statistic come in. The math path (CPU with attention dropout) keeps
     softmax output, a float dropout mask and the dropped probabilities: three as²b terms.
-  - the attention output is kept twice: as the kernel's output and as its (b, s, h/t) copy in token order
-    that the output projection saves.
+  - the attention output is kept once: a fused kernel's (and ring attention's) output is laid out (b, s, heads,
+    hd), so the output projection's input in token order is a view of it. Ulysses keeps two: SDPA's output over its
+    heads, and the projection's copy of what the all-to-all brings back.
   - norms keep their input and fp32 statistics (LayerNorm: mean and 1/std; RMSNorm: 1/rms, recomputing the
     normalised input in backward, as its Triton kernel does).
   - SwiGLU keeps [gate | up] and the product: 3f per token (both kernels recompute silu(gate) in backward);
@@ -138,9 +139,10 @@ def attention_saved(cfg: ModelConfig, x: MicroShape, a: int, k: int) -> dict[str
     else:
         inputs = core_inputs(cfg, x, a, k)
     out = {**inputs, "core.lse": T * a * F32}
-    if x.cp > 1:  # ring's merged output, or Ulysses' head-sharded one: the projection's input is a copy of it
+    if x.cp > 1 and x.cp_mode == "ulysses":  # the projection's input is the all-to-all's copy of SDPA's output
         out["core.out"] = T * a * d * x.act
-    # (without cp the kernel's output is laid out (b, s, heads, hd): the projection's input is a view of it)
+    # (a fused kernel's output, and ring attention's merged one, are laid out (b, s, heads, hd): the projection's
+    # input is a view of it)
     return out
 
 
