@@ -265,6 +265,11 @@ class ParallelContext:
         return self.dp_size // self.shard_size
 
     @property
+    def shard_rank(self) -> int:
+        """This rank's place among the dp ranks of its ZeRO group (dp_rank without hybrid sharding)."""
+        return self.dp_rank % self.shard_size
+
+    @property
     def replica_rank(self) -> int:
         """Which replica of the ZeRO states this rank holds part of (0 without hybrid sharding)."""
         return self.dp_rank // self.shard_size
@@ -290,7 +295,7 @@ class DeepSpeedMPU:
         return self.ctx.zero_dp_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.ctx.dp_rank % self.ctx.shard_size
+        return self.ctx.shard_rank
 
     def get_data_parallel_world_size(self) -> int:
         return self.ctx.shard_size
@@ -328,7 +333,7 @@ class DeepSpeedMPU:
         return self.ctx.zero_group
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return (self.ctx.dp_rank % self.ctx.shard_size) * self.ctx.cp_size + self.ctx.cp_rank
+        return self.ctx.shard_rank * self.ctx.cp_size + self.ctx.cp_rank
 
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.ctx.shard_size * self.ctx.cp_size

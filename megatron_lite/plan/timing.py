@@ -313,7 +313,7 @@ class StepModel:
         if lay.offload_optimizer != "none":
             optimizer = partition / CPU_ADAM_PARAMS_PER_S + partition * (4 + self.act) / PCIE_BPS
         else:  # gradient, master weight, two moments read; three written; and the bf16 copy where there is one
-            optimizer = partition * (28 + (2 if self._bf16_params else 0)) / self.hbm_optimizer
+            optimizer = partition * (28 + (2 if lay.bf16_states else 0)) / self.hbm_optimizer
         if lay.zero_stage == 0 and self.system.autocast_passes:  # Engine._reduced_grad_norm reads every gradient
             optimizer += P * 4 / self.hbm_optimizer
         return exposed + gather, optimizer
@@ -342,8 +342,3 @@ class StepModel:
             # gradient back to fp32 in every micro-batch's backward: 6 bytes a parameter each
             casts_s = max(params_per_rank) * 6 * (1 + m) / self.hbm_casts
         return StepTime(w.compute, w.memory, w.tp, w.cp, w.pp, bubble * mean, dp_s, opt_s, bubble, casts_s)
-
-    @property
-    def _bf16_params(self) -> bool:
-        """Whether DeepSpeed holds bf16 parameters beside the fp32 masters (ZeRO 1-3 in bf16)."""
-        return self.lay.precision == "bf16" and self.lay.zero_stage > 0
