@@ -186,6 +186,10 @@ class DataConfig:
     tokenizer: str | None = None
     """Local HF tokenizer directory data.path was prepared with; null = the one its meta.json records. When set,
     it must be that one (checked). An HF export copies it beside the weights."""
+    document_mask: bool = False
+    """Attention stays within each document of a training window and positions count from each document's start;
+    a document's first token is not predicted from the one before, and the loss is the mean over the tokens
+    predicted (docs/data.md)."""
 
 
 @dataclass

@@ -225,12 +225,9 @@ class Trainer:
         dtype = torch.bfloat16 if self.layout.precision == "bf16" else torch.float32
         self.peak, peak_source = peak_flops(ctx.device, dtype)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.fused_core = ctx.device.type == "cuda" or cfg.model.dropout == 0
         self.model_flops, self.hw_flops = step_flops(
-            cfg.model,
-            self.tokens_per_step,
-            cfg.train.recompute,
-            cfg.train.recompute_every,
-            fused_core=ctx.device.type == "cuda" or cfg.model.dropout == 0,
+            cfg.model, self.tokens_per_step, cfg.train.recompute, cfg.train.recompute_every, self.fused_core
         )
         # Each torchrun agent counts its own restarts: with several nodes, one restarted for a membership change
         # (not counted) and one whose worker failed differ, and rank 0's alone said 0 after a real restart.
@@ -281,6 +278,7 @@ class Trainer:
             cfg.seed,
             validation=cfg.train.eval_interval > 0,
             each=cfg.train.eval_per_dataset,
+            documents=cfg.data.document_mask,
         )
         self.batches = MicroBatches(
             self.data.train, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size, consumed
@@ -302,7 +300,8 @@ class Trainer:
             if changes:
                 say(
                     "warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
-                    f"{self.start_step + 1} see other samples than the run that wrote the checkpoint would have"
+                    f"{self.start_step + 1} see other samples (or masks) than the run that wrote the checkpoint would "
+                    "have"
                 )
             lr_change = (
                 schedule_change(meta.get("config", {}), cfg, self.start_step) if meta["kind"] == "deepspeed" else None
@@ -435,6 +434,11 @@ class Trainer:
         if self.stragglers is not None:  # the run's first step (warm-up, compilation) is no rank's measure
             self.stragglers.end_step(dt, counted=step > self.start_step + 1)
         bubble = _pipeline_bubble(self.engine.last_stats, ctx)
+        model_flops, hw_flops = self.model_flops, self.hw_flops
+        if outcome.attended is not None:  # data.document_mask: attention within documents only
+            t = cfg.train
+            flops_args = (t.recompute, t.recompute_every, self.fused_core)
+            model_flops, hw_flops = step_flops(cfg.model, self.tokens_per_step, *flops_args, outcome.attended)
         record = {
             "step": step,
             "loss": outcome.loss,
@@ -443,8 +447,8 @@ class Trainer:
             "tokens": self.batches.consumed_samples * cfg.model.seq_len,
             "tokens_per_s": self.tokens_per_step / dt,
             "step_time_s": dt,
-            "mfu": self.model_flops / dt / (ctx.world_size * self.peak),
-            "hfu": self.hw_flops / dt / (ctx.world_size * self.peak),
+            "mfu": model_flops / dt / (ctx.world_size * self.peak),
+            "hfu": hw_flops / dt / (ctx.world_size * self.peak),
             "skipped_steps": None,
             "restarts": self.restarts,  # skipped_steps: counted by train()
         }

@@ -21,7 +21,9 @@ In one run, on the first CUDA device, with nothing fetched from the network:
      micro-batches of the shape above, one optimizer step), as a real run's global batch amortizes AdamW;
    tokens/s, TFLOP/s and MFU (model FLOPs of megatron_lite.metrics.flops over the datasheet bf16 peak), and the peak
    allocated memory (torch.cuda.max_memory_allocated over the timed steps, optimizer states included);
-5. `tools/tune_norm_kernels.py`: the norms' launch shapes swept (kernels/row_tiles.py), best against default.
+5. `tools/tune_norm_kernels.py`: the norms' launch shapes swept (kernels/row_tiles.py), best against default;
+6. `tools/bench_documents.py` in bf16: data.document_mask's variable-length attention and training step against
+   causal ones at seq 1024, documents of 128 tokens.
 The run keeps to a wall-clock budget (`--budget-s`, 570 s: a GPU lease runs one command for at most 10 minutes):
 each part gets what is left of it, and what would start with too little left is listed as not reached. Hence
 the order: gpt-1.3b (the MFU target) before gpt2-124m, and within a model the default side and both baselines
@@ -420,12 +422,12 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[str, 
         return text[0], text[1], f"stopped after {timeout:.0f} s (the run's budget)"
 
 
-def run_tool(name: str, out_dir: str, quick: bool, timeout: float) -> dict | None:
-    """Run tools/<name>.py --out <json> in a fresh process, show its last lines, return what it wrote (None when
-    it wrote nothing, or did not finish within `timeout` seconds)."""
+def run_tool(name: str, out_dir: str, quick: bool, timeout: float, extra: tuple[str, ...] = ()) -> dict | None:
+    """Run tools/<name>.py --out <json> [extra] in a fresh process, show its last lines, return what it wrote (None
+    when it wrote nothing, or did not finish within `timeout` seconds)."""
     path = os.path.join(out_dir, f"_{name}.json")
     stdout, stderr, code = _run(
-        [sys.executable, f"tools/{name}.py", "--out", path] + (["--quick"] if quick else []), timeout
+        [sys.executable, f"tools/{name}.py", "--out", path, *extra] + (["--quick"] if quick else []), timeout
     )
     stopped = f"\n{name}: {code}" if isinstance(code, str) else ""
     print("\n".join((stdout + stderr + stopped).strip().splitlines()[-40:]), flush=True)
@@ -490,7 +492,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="short shapes and few steps (checks the tool)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput,tune")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput,tune,documents")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
@@ -586,6 +588,12 @@ def main(argv=None) -> int:
             record["not_reached"].append("tune")
         else:
             record["tune"] = run_tool("tune_norm_kernels", args.out_dir, args.quick, left())
+    if "documents" not in skip:
+        if left() < MIN_CASE_S:
+            record["not_reached"].append("documents")
+        else:
+            documents = ("--device", "cuda", "--dtype", "bf16", "--batch", "8", "--heads", "16", "--layers", "8")
+            record["documents"] = run_tool("bench_documents", args.out_dir, args.quick, left(), documents)
     if record["not_reached"]:
         print(
             f"bench_gpu: not reached within the {args.budget_s:.0f} s budget: {', '.join(record['not_reached'])} "

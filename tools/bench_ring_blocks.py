@@ -62,14 +62,14 @@ class ThreadRing:
         return self.mailbox.take((self.rank, seq))
 
 
-def ring_in_threads(q, k, v, grad, cp: int, kernel: str | None) -> list[tuple]:
+def ring_in_threads(q, k, v, grad, cp: int, kernel: str | None, segments=None) -> list[tuple]:
     """Every cp rank's (output, dq, dk, dv) for the whole-sequence q, k, v and output gradient, by
-    ring_forward/ring_backward run in cp threads over a ThreadRing."""
+    ring_forward/ring_backward run in cp threads over a ThreadRing (segments: each token's document, (b, s))."""
     mailbox, results, errors = _Mailbox(), [None] * cp, []
 
     def rank(r):
         try:
-            call = RingCall(ThreadRing(mailbox, cp, r), kernel=kernel)
+            call = RingCall(ThreadRing(mailbox, cp, r), kernel=kernel, segments=segments)
             local = [shard_sequence(x, 2, cp, r) for x in (q, k, v)]
             out, lse, aux = ring_forward(*local, call)
             results[r] = (out, *ring_backward(shard_sequence(grad, 2, cp, r), *local, out, lse, aux, call))

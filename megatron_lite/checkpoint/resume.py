@@ -115,6 +115,7 @@ DATA_STREAM_KEYS = (
     ("seed",),
     ("data", "path"),
     ("data", "weights"),
+    ("data", "document_mask"),
     ("model", "seq_len"),
     ("train", "global_batch_size"),
 )

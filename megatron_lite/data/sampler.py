@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_lite.data.documents import Windows, stack
+
 BLEND_BLOCK = 16384  # stream indices per blending block (each dataset needs a share of at least 1 / BLEND_BLOCK)
 
 
@@ -155,15 +157,15 @@ def val_batches(stream, global_batch_size: int, micro_batch_size: int, dp_rank: 
                             for m in range(micro_batch_size)]) for k in range(n_iters) for j in range(accum)]
 
 
-def _stack(stream, indices: list[int]) -> torch.Tensor:
-    return torch.stack([stream(i) for i in indices])  # (len(indices), seq_len + 1)
+def _stack(stream, indices: list[int]) -> torch.Tensor | Windows:
+    return stack([stream(i) for i in indices])  # (len(indices), seq_len + 1), with positions under document_mask
 
 
 @dataclass
 class Streams:
     """The configured data (data.path, data.weights) opened for a run."""
 
-    train: object  # training stream: train(i) is sample i, (seq_len + 1,) int64
+    train: object  # training stream: train(i) is sample i, (seq_len + 1,) int64 (with document_mask: and positions)
     val: object | None  # validation stream, when asked for
     val_each: dict[str, object] | None  # each dataset's own validation stream by its path, when asked for
     samples: list[int]  # training samples of each dataset
@@ -172,18 +174,19 @@ class Streams:
 
 
 def open_streams(path, weights: list[float] | None, seq_len: int, seed: int, validation: bool,
-                 each: bool = False) -> Streams:
+                 each: bool = False, documents: bool = False) -> Streams:
     """The training (and validation) stream of data.path (one prepared directory or a list to blend); with
-    `each`, also every dataset's own validation stream (train.eval_per_dataset)."""
+    `each`, also every dataset's own validation stream (train.eval_per_dataset); with `documents`
+    (data.document_mask), samples carry their tokens' positions in their documents."""
     from megatron_lite.config import data_paths, repo_path
-    from megatron_lite.data.dataset import TokenData, WindowDataset
+    from megatron_lite.data.dataset import TokenData
 
     paths = data_paths(path)
     data = [TokenData(repo_path(p)) for p in paths]
-    train = [WindowDataset(d.train, seq_len) for d in data]
+    train = [d.windows("train", seq_len, documents) for d in data]
     samples = [len(t) for t in train]
     weights = list(weights or samples)
-    held_out = [WindowDataset(d.val, seq_len) for d in data] if validation else []
+    held_out = [d.windows("val", seq_len, documents) for d in data] if validation else []
     val = validation_stream(held_out, weights) if validation else None
     val_each = {p: Cycled(d) for p, d in zip(paths, held_out)} if validation and each and len(paths) > 1 else None
     return Streams(training_stream(train, weights, seed), val, val_each, samples, weights,

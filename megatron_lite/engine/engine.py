@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import ModelConfig, TrainConfig
+from megatron_lite.data import documents
 from megatron_lite.engine import ds_checkpoint
 from megatron_lite.engine.ds_config import nvme_swap_dir, param_groups, universal_split_patterns
 from megatron_lite.engine.repairs import (
@@ -54,6 +55,8 @@ class StepOutcome:
     loss: float  # the step's mean loss over the global batch (same on every rank)
     grad_norm: float  # before clipping; inf or nan on a skipped step
     skipped: bool  # the loss or the gradient norm was not finite: no update happened on any rank
+    predicted: int | None = None  # data.document_mask: labels the global batch predicts (the loss's denominator)
+    attended: int | None = None  # data.document_mask: sum over its documents of length squared (MFU's attention)
 
 
 class Engine:
@@ -154,6 +157,8 @@ class Engine:
         norm is not finite. `step` keys the dropout masks with each micro-batch's place in the global batch
         (micro-batch j of DP rank r is j·dp + r, the sampler's order), so they do not depend on the layout."""
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
+        counts = documents.normalise(micro_batches, self.ctx)  # data.document_mask: the loss's denominator
+        predicted, attended = counts if counts is not None else (None, None)
         dp, dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         rng_keys = [(step, j * dp + dp_rank) for j in range(len(micro_batches))]
         if not self.model.training:  # (eval_loss switches back; walking every module each step cost 0.5 ms)
@@ -182,7 +187,8 @@ class Engine:
             # A non-finite loss always makes a non-finite gradient, so the norm decides.
             self.ds_engine.step()
             grad_norm = float(self.ds_engine.get_global_grad_norm())
-            return StepOutcome(loss.item() / self.ctx.dp_size, grad_norm, not math.isfinite(grad_norm))
+            loss = loss.item() / self.ctx.dp_size
+            return StepOutcome(loss, grad_norm, not math.isfinite(grad_norm), predicted, attended)
         if self.ctx.dp_size * self.ctx.cp_size > 1:  # one replica: the average is the gradient itself
             # DP average (and cp sum) of .grad, as DeepSpeed's boundary would do. It flattens every
             # gradient into one buffer, scales it and copies it back: 3 passes over them, 8 ms a step at
@@ -192,7 +198,8 @@ class Engine:
         self._step_clipped_unless_nonfinite(loss, grad_norm)
         loss, grad_norm = torch.stack([loss.double(), grad_norm]).tolist()  # the step's one wait for the device
         loss /= self.ctx.dp_size
-        return StepOutcome(loss, grad_norm, not (math.isfinite(loss) and math.isfinite(grad_norm)))
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        return StepOutcome(loss, grad_norm, not finite, predicted, attended)
 
     def dp_mean(self, value: torch.Tensor) -> float:
         """Mean over the data-parallel replicas of a per-replica scalar of which each cp rank holds a share
@@ -268,7 +275,9 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """Mean loss over micro_batches, forward only through the pipeline."""
+        """Mean loss over micro_batches, forward only through the pipeline (data.document_mask: over the labels
+        that all of them, on every dp rank, predict)."""
+        documents.normalise(micro_batches, self.ctx)
         self.ds_engine.eval()
         loss = self._pipeline_loss(self.executor.run(self.forward, micro_batches, train=False).loss)
         self.ds_engine.train()

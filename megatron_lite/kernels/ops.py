@@ -52,9 +52,14 @@ def layer_norm(
     return _op("layernorm", backend)(x, weight, bias, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """x (b, heads, s, hd) rotated by the (s, hd) cos/sin tables (rotate-half layout)."""
-    return _op("rope", backend)(x, cos, sin)
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch", positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (b, heads, s, hd) rotated by the (s, hd) cos/sin tables (rotate-half layout); given positions (b, s), token
+    t of sample b takes table row positions[b, t] (data.document_mask) instead of row t."""
+    if positions is None:
+        return _op("rope", backend)(x, cos, sin)
+    return _op("rope", backend)(x, cos, sin, positions)
 
 
 def swiglu(h: torch.Tensor, backend: str = "torch") -> torch.Tensor:

@@ -22,6 +22,9 @@ x is dense (as the reference's `x.float() * cos` does) and is contiguous otherwi
 Memory traffic: forward reads x and writes y once (2 * numel * itemsize); backward reads the gradient and
 writes dx once. The (s, hd/2) tables are shared by every batch and head, so they stay in cache.
 
+Position ids: given positions (b, s), token t of sample b takes the table row positions[b, t] instead of row t
+(data.document_mask counts positions from each document's start); the tables then cover model.seq_len rows.
+
 Left out on purpose: cos/sin gradients (fixed tables), the interleaved-pairs layout (GPT-J, the RoFormer paper),
 partial rotation of only some head dims, and fusing q and k into one launch (two launches, each one pass).
 """
@@ -35,8 +38,11 @@ import triton.language as tl
 TILE = 4096  # elements (rows x half-width) per program: large tiles keep the interpreter fast
 
 
-def apply_rope_reference(x, cos, sin):
-    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle."""
+def apply_rope_reference(x, cos, sin, positions=None):
+    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle: of row t of the (s, hd) tables, or
+    of row positions[b, t] given positions (b, s)."""
+    if positions is not None:
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (b, 1, s, hd)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -48,6 +54,7 @@ def _rope_kernel(
     y_ptr,
     cos_ptr,
     sin_ptr,
+    pos_ptr,
     n_rows,
     n_heads,
     seq_len,
@@ -62,6 +69,7 @@ def _rope_kernel(
     ys_d,
     table_stride,
     SIGN: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
@@ -76,7 +84,11 @@ def _rope_kernel(
     x_row = batch * xs_b + head * xs_h + pos * xs_s  # (ROWS,) element offsets of each row's start
     x1 = tl.load(x_ptr + x_row[:, None] + cols[None, :] * xs_d, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + x_row[:, None] + (cols[None, :] + half) * xs_d, mask=ok, other=0.0).to(tl.float32)
-    table = pos[:, None] * table_stride + cols[None, :]  # (ROWS, BLOCK_HALF); first half of each table row
+    if HAS_POSITIONS:  # (b, s) position ids, contiguous: the table row of each token
+        row_of = tl.load(pos_ptr + batch * seq_len + pos, mask=rows < n_rows, other=0).to(tl.int64)
+    else:
+        row_of = pos
+    table = row_of[:, None] * table_stride + cols[None, :]  # (ROWS, BLOCK_HALF); first half of each table row
     c = tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32) * SIGN  # backward rotates by -angle
 
@@ -86,11 +98,15 @@ def _rope_kernel(
     tl.store(y_ptr + y_row[:, None] + (cols[None, :] + half) * ys_d, (x2 * c + x1 * s).to(y_ty), mask=ok)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int, positions=None) -> torch.Tensor:
     """Launch one pass over x (b, heads, s, hd) of any strides; returns y in x's dtype (and layout if dense)."""
     b, n_heads, seq_len, hd = x.shape
     assert hd % 2 == 0, f"RoPE needs an even head dim, got {hd}"
-    assert cos.shape == sin.shape == (seq_len, hd), f"tables {tuple(cos.shape)} do not match x {tuple(x.shape)}"
+    if positions is None:
+        assert cos.shape == sin.shape == (seq_len, hd), f"tables {tuple(cos.shape)} do not match x {tuple(x.shape)}"
+    else:
+        assert positions.shape == (b, seq_len) and positions.is_contiguous(), (tuple(positions.shape), tuple(x.shape))
+        assert cos.shape == sin.shape and cos.shape[1] == hd, f"tables {tuple(cos.shape)} do not match x {x.shape}"
     assert cos.stride() == sin.stride() and cos.stride(1) == 1, "cos/sin must share a row-major layout"
     y = torch.empty_like(x)
     n_rows, half = b * n_heads * seq_len, hd // 2
@@ -101,6 +117,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
         y,
         cos,
         sin,
+        positions if positions is not None else cos,  # (unread without positions)
         n_rows,
         n_heads,
         seq_len,
@@ -109,6 +126,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
         *y.stride(),
         cos.stride(0),
         SIGN=sign,
+        HAS_POSITIONS=positions is not None,
         ROWS=rows_per_program,
         BLOCK_HALF=block_half,
     )
@@ -117,16 +135,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
 
 class _RoPE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)  # the tables only: the backward rotation does not need x
-        return _rotate(x, cos, sin, sign=1)
+    def forward(ctx, x, cos, sin, positions):
+        ctx.save_for_backward(cos, sin, positions)  # the tables (and ids) only: the backward does not need x
+        return _rotate(x, cos, sin, 1, positions)
 
     @staticmethod
     def backward(ctx, grad_y):
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad_y, cos, sin, sign=-1), None, None
+        cos, sin, positions = ctx.saved_tensors
+        return _rotate(grad_y, cos, sin, -1, positions), None, None, None
 
 
-def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (b, heads, s, hd), any strides, rotated by the (s, hd) cos/sin tables (halves equal); no table grads."""
-    return _RoPE.apply(x, cos, sin)
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
+    """x (b, heads, s, hd), any strides, rotated by the (s, hd) cos/sin tables (halves equal), row t or, given
+    positions (b, s), row positions[b, t] for token t of sample b; no table grads."""
+    return _RoPE.apply(x, cos, sin, None if positions is None else positions.contiguous())

@@ -15,7 +15,8 @@ V = vocab_size (the true vocabulary, not the padded embedding), one token costs 
 (forward, input gradient, weight gradient; Megatron-LM's "12 x" expansion, Narayanan et al. 2021,
 appendix). Causal attention is counted at exactly half of the full s x s score matrix (s/2 keys per
 query, as Megatron-LM's causal count and MaxText do), not the (s+1)/2 of the lower triangle including
-the diagonal. Not counted: embedding lookups, norms, softmax, RoPE, biases and other element-wise work.
+the diagonal. With data.document_mask a query attends only within its document, so a step's attention counts
+sum over its documents of length² instead of windows x s² (`step_flops(attended=...)`). Not counted: embedding lookups, norms, softmax, RoPE, biases and other element-wise work.
 HFU adds the forward work that activation recomputation repeats in backward: each recomputed layer but
 its last GEMM for `full`, the attention core for `selective` (recompute_flops_per_token says exactly what
 torch reruns); the LM head is never recomputed.
@@ -52,7 +53,7 @@ PEAK_TABLE: tuple[tuple[tuple[str, ...], str, dict[str, float]], ...] = (
 )
 
 
-def layer_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> tuple[int, int]:
+def layer_flops_per_token(cfg: ModelConfig, seq_len: float, causal: bool = True) -> tuple[int, int]:
     """Forward FLOPs per token of one transformer layer, split as (dense projections, attention core).
 
     dense = 2 h (a + 2k) d + 2 a d h + 2 h f m  (m = 2 for GeLU, 3 for SwiGLU);
@@ -63,7 +64,8 @@ def layer_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -
     out = 2 * a * d * h
     mlp = 2 * h * f * (3 if cfg.activation == "swiglu" else 2)
     core = 2 * 2 * seq_len * a * d  # scores + values, the full s x s matrix
-    return qkv + out + mlp, core // 2 if causal else core  # 4 s a d is even, so the half is exact
+    half = core / 2 if isinstance(core, float) else core // 2  # 4 s a d is even, so the half is exact
+    return qkv + out + mlp, half if causal else core
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> int:
@@ -104,15 +106,22 @@ def recompute_flops_per_token(
 
 
 def step_flops(
-    cfg: ModelConfig, tokens: int, recompute: str = "none", recompute_every: int = 1, fused_core: bool = True
+    cfg: ModelConfig,
+    tokens: int,
+    recompute: str = "none",
+    recompute_every: int = 1,
+    fused_core: bool = True,
+    attended: int | None = None,
 ) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of sequences cfg.seq_len long.
+    """(model FLOPs, hardware FLOPs) of a training step over `tokens` tokens of sequences cfg.seq_len long, or,
+    with data.document_mask, whose attention spans documents whose lengths squared sum to `attended`.
 
     hardware = model + what recomputation reruns (recompute_flops_per_token). MFU = model / (time x devices
     x peak); HFU likewise with hardware.
     """
-    extra = recompute_flops_per_token(cfg, cfg.seq_len, recompute, recompute_every, fused_core)
-    model = 3 * forward_flops_per_token(cfg, cfg.seq_len) * tokens
+    span = cfg.seq_len if attended is None else attended / tokens  # a token's causal attention costs as over s
+    extra = recompute_flops_per_token(cfg, span, recompute, recompute_every, fused_core)
+    model = 3 * forward_flops_per_token(cfg, span) * tokens
     return float(model), float(model + extra * tokens)
 
 

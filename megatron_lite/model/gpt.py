@@ -27,7 +27,11 @@ Modules are created on the meta device and only then given values (`materialize`
 generator keyed by (seed, its global name) (model/init.py): no rank ever allocates more than it keeps, and every
 layout starts from the weights of the whole model with the same seed. Padded embedding rows start at zero.
 
-Left out on purpose: KV cache / generation, attention masks other than causal, MoE.
+With data.document_mask a forward also gets the micro-batch's documents (model/documents.py): attention stays
+inside each document, positions count from each document's start, and the loss is summed over the labels
+predicted and divided by the count the whole step normalises by.
+
+Left out on purpose: KV cache / generation, attention masks other than causal and per-document, MoE.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.kernels import OPS, ops
+from megatron_lite.model.documents import DocumentMask, reduce_loss, sdpa_mask, varlen_applies, varlen_attention
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
 from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
@@ -134,9 +139,12 @@ class Rope(NamedTuple):
         return self.sequence.rows(self.cos, s_local), self.sequence.rows(self.sin, s_local)  # (s_local, hd) each
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (megatron_lite/kernels/rope.py)."""
-    return ops.apply_rope(x, cos, sin, backend)
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch", positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (megatron_lite/kernels/rope.py):
+    row t of the tables, or row positions[b, t] of them given positions (b, s)."""
+    return ops.apply_rope(x, cos, sin, backend, positions)
 
 
 class Attention(nn.Module):
@@ -158,8 +166,9 @@ class Attention(nn.Module):
         self.cp_rank: int | None = None
         self.recompute_core = False  # train.recompute=selective: keep q, k, v; redo softmax(qk^T) v in backward
 
-    def forward(self, x: torch.Tensor, rope: Rope | None, key: Key) -> torch.Tensor:
-        """key: (seed, step, micro-batch, layer), completed with the site for the attention-dropout mask."""
+    def forward(self, x: torch.Tensor, rope: Rope | None, key: Key, docs: DocumentMask | None = None) -> torch.Tensor:
+        """key: (seed, step, micro-batch, layer), completed with the site for the attention-dropout mask; docs:
+        the micro-batch's documents (data.document_mask), None for plain causal attention."""
         qkv = self.qkv(x)  # (b, s, qkv_dim); s is the full sequence even when x holds a sequence-parallel shard
         b, s, _ = qkv.shape
         # The local head counts follow the weight shape, so a tensor-parallel shard runs this code unchanged.
@@ -168,31 +177,44 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, heads, s, hd)
         k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, kv_heads, s, hd)
         v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
+        if rope is not None and docs is not None:  # each token's row: its position in its document
+            q, k = (apply_rope(t, rope.cos, rope.sin, self.kernel_backend, docs.positions) for t in (q, k))
+        elif rope is not None:
             cos, sin = rope.at(s)  # the rows of this rank's positions
             q, k = apply_rope(q, cos, sin, self.kernel_backend), apply_rope(k, cos, sin, self.kernel_backend)
         if self.recompute_core and torch.is_grad_enabled():
-            y = recompute(self.core, q, k, v, key)
+            y = recompute(self.core, q, k, v, key, docs)
         else:
-            y = self.core(q, k, v, key)
+            y = self.core(q, k, v, key, docs)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key, docs=None) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v with causal mask and dropout: (b, heads, s, hd) for q, k, v (GQA: fewer
         k/v heads). The memory-heavy, FLOP-light part that selective recomputation drops (Korthikanti 2022).
         Under context parallelism s is this rank's share and the causal mask is over global positions."""
         if self.cp_attention is not None:
-            return self.cp_attention(self, q, k, v, key)
-        return self.sdpa(q, k, v, key)
+            return self.cp_attention(self, q, k, v, key, docs)
+        return self.sdpa(q, k, v, key, docs)
 
-    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key) -> torch.Tensor:
-        """Causal attention over a whole sequence in order, by torch's SDPA (flash attention on a GPU). SDPA
-        draws its dropout from the default generator, which is seeded from the key for the call."""
+    def sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: Key, docs: DocumentMask | None = None
+    ) -> torch.Tensor:
+        """Causal attention over a whole sequence in order, by torch's SDPA (flash attention on a GPU); given docs,
+        within each document: on CUDA without dropout by FlashAttention's variable-length kernel, else by SDPA with
+        a block-diagonal causal mask (model/documents.py). SDPA draws its dropout from the default generator, which
+        is seeded from the key for the call."""
         gqa = q.shape[1] != k.shape[1]
+        dropout = self.dropout if self.training else 0.0
+        if docs is not None and dropout == 0.0 and varlen_applies(q):
+            return varlen_attention(q, k, v, docs)
+        mask = None if docs is None else sdpa_mask(docs.segments, docs.segments)
+        causal = mask is None
         if not self.training or self.dropout == 0.0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         with keyed_default_rng(cp_key((*key, "attn_probs"), self.cp_rank), self.tp_rank, q.device):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout, enable_gqa=gqa
+            )
 
 
 class MLP(nn.Module):
@@ -223,15 +245,17 @@ class Block(nn.Module):
         self.norm2, self.mlp = make_norm(cfg), MLP(cfg)
         self.drop = KeyedDropout(cfg.dropout)  # both residual branches, told apart by the site in the key
 
-    def forward(self, x: torch.Tensor, rope=None, key: Key = (0, 0, 0)) -> torch.Tensor:
-        """key: (seed, step, micro-batch), see parallel/random.py."""
-        return self.compute(x, rope, (*key, self.layer))
+    def forward(
+        self, x: torch.Tensor, rope=None, key: Key = (0, 0, 0), docs: DocumentMask | None = None
+    ) -> torch.Tensor:
+        """key: (seed, step, micro-batch), see parallel/random.py; docs: data.document_mask's documents."""
+        return self.compute(x, rope, (*key, self.layer), docs)
 
-    def compute(self, x: torch.Tensor, rope, key: Key) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, rope, key: Key, docs: DocumentMask | None = None) -> torch.Tensor:
         """The block itself; key already holds the layer. What train.compile compiles (GPT.compile_blocks): it
         reads no integer attribute of the block, which torch.compile would take as a constant, so every block
         shares one compiled graph instead of compiling once per layer index."""
-        x = x + self.drop(self.attn(self.norm1(x), rope, key), (*key, "attn_out"))
+        x = x + self.drop(self.attn(self.norm1(x), rope, key, docs), (*key, "attn_out"))
         return x + self.drop(self.mlp(self.norm2(x)), (*key, "mlp_out"))
 
 
@@ -259,7 +283,13 @@ class LMHead(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
+    ) -> torch.Tensor:
         # The GEMM runs over every (padded) row: with 50,257 columns the logits' leading dimension is odd and
         # cuBLAS falls back to kernels that took gpt-1.3b's head 5x its FLOP time on an H100. The padded
         # columns are then dropped by view: the loss and the returned logits see the true vocabulary only.
@@ -268,7 +298,8 @@ class LMHead(nn.Module):
         logits = weight_grad.head_linear(h, weight)  # (b, s, padded vocab)
         if labels is None:
             return logits[..., : self.vocab_size]
-        return ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_size, self.kernel_backend).mean()
+        losses = ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_size, self.kernel_backend)
+        return reduce_loss(losses, docs)
 
 
 class GPT(nn.Module):
@@ -375,21 +406,22 @@ class GPT(nn.Module):
         step, microbatch = rng_key if rng_key is not None else (0, 0)
         return (self.seed, int(step), int(microbatch))
 
-    def embed(self, tokens: torch.Tensor, key: Key) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, key: Key, docs: DocumentMask | None = None) -> torch.Tensor:
         """tokens (b, s) -> the first block's input (b, s, h), or (b, s/tp, h) under sequence parallelism."""
         x = self.wte(tokens, self.embedding_weight())
         if self.wpe is not None:
-            x = x + self.wpe(self.sequence.positions(tokens.shape[1], tokens.device))
+            positions = self.sequence.positions(tokens.shape[1], tokens.device) if docs is None else docs.positions
+            x = x + self.wpe(positions)
         return self.drop(self.to_blocks(x), (*key, EMBED_LAYER, "embed"))
 
-    def run_blocks(self, x: torch.Tensor, layers: range, key: Key) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, layers: range, key: Key, docs: DocumentMask | None = None) -> torch.Tensor:
         rope = Rope(self.rope_cos, self.rope_sin, self.sequence) if self.cfg.position == "rope" else None
         for i in layers:
             block = self.blocks[i]
             if i in self.recomputed_blocks and torch.is_grad_enabled():
-                x = recompute(block, x, rope, key)  # the rerun gets the key, so it draws the same masks
+                x = recompute(block, x, rope, key, docs)  # the rerun gets the key and documents: the same masks
             else:
-                x = block(x, rope, key)
+                x = block(x, rope, key, docs)
         return x
 
     def hidden_states(self, tokens: torch.Tensor, rng_key: tuple[int, int] | None = None) -> torch.Tensor:
@@ -435,6 +467,7 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         chunk: int = 0,
         rng_key: tuple[int, int] | None = None,
+        documents=None,
     ) -> torch.Tensor:
         """Run chunk `chunk` (the whole model unless cut by keep_chunks). inputs: tokens (b, s) on the first
         virtual stage, else the previous stage's hidden states. rng_key: (step, micro-batch index in the global
@@ -446,6 +479,9 @@ class GPT(nn.Module):
         hidden states and logits are this rank's shard, and the loss is this rank's share of the sequence's
         mean: the sum over the cp ranks is the loss (every rank holds as many tokens).
 
+        documents (data.document_mask): the micro-batch's data.documents.Windows; attention stays within them, positions
+        count from their starts, and the loss is this rank's sum over the labels predicted / documents.loss_tokens.
+
         Two chunk indices are not chunks: TIED_WEIGHT returns the tied embedding weight (model/tied.py) and
         weight_grad.WEIGHT_GRADS the weight-gradient work a zero-bubble schedule's W releases, each as a graph
         output for the caller's backward (parallel/weight_grad.py)."""
@@ -455,11 +491,14 @@ class GPT(nn.Module):
             return weight_grad.released_output()
         spec = self.chunks[chunk]
         key = self.dropout_key(rng_key)
-        x = self.embed(self.sequence.shard(inputs), key) if spec.has_embedding else inputs
-        x = self.run_blocks(x, spec.layers, key)
+        docs = None if documents is None else DocumentMask.of(documents)  # from data.documents.Windows
+        if docs is not None and self.sequence.size > 1:
+            docs = docs.local(self.sequence.shard)
+        x = self.embed(self.sequence.shard(inputs), key, docs) if spec.has_embedding else inputs
+        x = self.run_blocks(x, spec.layers, key, docs)
         if not spec.has_head:
             return x
         if labels is None:
             return self.head(self.norm_f(x), self.head_weight())
-        loss = self.head(self.norm_f(x), self.head_weight(), self.sequence.shard(labels))
-        return loss / self.sequence.size if self.sequence.size > 1 else loss
+        loss = self.head(self.norm_f(x), self.head_weight(), self.sequence.shard(labels), docs)
+        return loss / self.sequence.size if self.sequence.size > 1 and docs is None else loss

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megatron_lite.kernels import ops
+from megatron_lite.model.documents import DocumentMask, reduce_loss
 from megatron_lite.model.fused_rows import fused_segments
 from megatron_lite.model.gpt import GPT, LayerNorm, RMSNorm
 from megatron_lite.parallel import weight_grad
@@ -85,23 +86,30 @@ class VocabParallelHead(nn.Module):
         self.vocab_size, self.vocab_start = vocab_size, vocab_start
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
+    ) -> torch.Tensor:
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
         logits = weight_grad.head_linear(h, weight)  # (b, s, V_padded/tp)
         valid = self.vocab_size - self.vocab_start  # ids at or past the true vocabulary are padding
         if labels is not None and self.kernel_backend == "triton":  # the kernel skips padded columns itself
             from megatron_lite.kernels.cross_entropy import cross_entropy_triton  # imports Triton
 
-            return cross_entropy_triton(
+            losses = cross_entropy_triton(
                 logits.flatten(0, 1), labels.flatten(), valid, self.vocab_start, self.tp_group
-            ).mean()
+            )
+            return reduce_loss(losses, docs)
         if valid < logits.shape[-1]:
             padded = torch.arange(logits.shape[-1], device=logits.device) >= valid
             logits = logits.masked_fill(padded, float("-inf"))
         if labels is None:
             return gather_from_tp(logits, self.tp_group)[..., : self.vocab_size]
         losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), self.vocab_start, self.tp_group)
-        return losses.mean()
+        return reduce_loss(losses, docs)
 
 
 def parallelize(model: GPT, tp_group, sequence_parallel: bool = False) -> GPT:

@@ -48,9 +48,12 @@ class RingAttention:
     def __init__(self, cp_group):
         self.cp_group = cp_group
 
-    def __call__(self, attn: Attention, q, k, v, key: Key) -> torch.Tensor:
+    def __call__(self, attn: Attention, q, k, v, key: Key, docs=None) -> torch.Tensor:
         p = attn.dropout if attn.training else 0.0
-        return ring_attention(q, k, v, self.cp_group, dropout_p=p, mask_key=(*key, "attn_probs"), tp_rank=attn.tp_rank)
+        segments = None if docs is None else docs.segments  # the whole window's: each block takes its own
+        return ring_attention(
+            q, k, v, self.cp_group, dropout_p=p, mask_key=(*key, "attn_probs"), tp_rank=attn.tp_rank, segments=segments
+        )
 
 
 class UlyssesAttention:
@@ -60,8 +63,9 @@ class UlyssesAttention:
     def __init__(self, cp_group):
         self.cp_group = cp_group
 
-    def __call__(self, attn: Attention, q, k, v, key: Key) -> torch.Tensor:
-        return ulysses_attention(q, k, v, self.cp_group, lambda q_, k_, v_: attn.sdpa(q_, k_, v_, key))
+    def __call__(self, attn: Attention, q, k, v, key: Key, docs=None) -> torch.Tensor:
+        # docs hold the whole window's segments, as the gathered sequence is whole
+        return ulysses_attention(q, k, v, self.cp_group, lambda q_, k_, v_: attn.sdpa(q_, k_, v_, key, docs))
 
 
 def cp_parallelize(model: GPT, cp_group, mode: str) -> GPT:

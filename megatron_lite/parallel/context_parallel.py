@@ -25,6 +25,14 @@ log-sum-exp):
             Attention-probability dropout draws one mask per tile, keyed by its chunk pair's global
             indices and first row, so ring and serial attention drop the same probabilities.
 
+Documents (data.document_mask): a query sees only the keys of its own document. Every rank holds the whole
+window's document index of each token (`segments`, non-decreasing along the window), so each block takes its
+query rows' and key chunk's from it: a block whose keys all lie in documents before its queries' is skipped (in
+forward and backward; `block_counts` counts them), one inside a single document needs no mask, and any other
+gets a mask (an additive one for the CPU kernel; on CUDA such blocks run explicit, as FlashAttention-2 takes no
+mask). A query row that sees no key of a block gets no weight in the merge. Ulysses gathers whole sequences,
+so the block's SDPA takes the whole window's mask.
+
 Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the sequence shards of every head into
 all of the sequence for cp-th of the heads; attention runs as the block's own SDPA (flash attention on a GPU);
 a second all-to-all turns it back. It needs cp to divide the local query and K/V head counts (validation/parallel.py).
@@ -43,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_lite.model.documents import sdpa_mask
 from megatron_lite.parallel.mappings import all_to_all
 from megatron_lite.parallel.random import Key, keep_mask
 
@@ -119,12 +128,15 @@ def fused_kernel(q: torch.Tensor) -> str | None:
     return "efficient"
 
 
-def _block_kernel(q: torch.Tensor, dropout_p: float, blocks: str) -> str | None:
+def _block_kernel(q: torch.Tensor, dropout_p: float, blocks: str, documents: bool = False) -> str | None:
     """The fused kernel for this call's blocks, or None for the explicit path: auto takes the fused one
-    without dropout, fused insists on it, explicit never uses it."""
+    without dropout, fused insists on it, explicit never uses it. With documents only the CPU kernel, which
+    takes a mask, is fused."""
     if blocks not in BLOCKS:
         raise ValueError(f"blocks={blocks!r}: expected one of {', '.join(BLOCKS)}")
     kernel = fused_kernel(q) if blocks != "explicit" and dropout_p == 0 else None
+    if documents and kernel != "cpu":
+        kernel = None
     if blocks == "fused" and kernel is None:
         raise ValueError(
             f"blocks=fused: no fused kernel for {q.device.type} {q.dtype} head dim {q.shape[-1]} "
@@ -146,15 +158,23 @@ def _blocks(cp: int, rank: int, source: int, chunk: int, tiled: bool):
                     yield qi, ki, slice(start, min(start + step, chunk)), gk == gq, (gq, gk, start)
 
 
-def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
+def _additive(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A boolean mask (True: seen) as the CPU kernel's fp32 additive one."""
+    return None if mask is None else torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float, mask=None):
     """One block by a fused kernel: (output, fp32 log-sum-exp with a trailing unit dim, what its backward
     needs from the forward besides the output and log-sum-exp). Equal-length query and key chunks, so a
-    causal mask is the usual one on the diagonal block."""
+    causal mask is the usual one on the diagonal block. mask (the CPU kernel only): a boolean (b, 1, rows, keys)
+    that already holds the causal part; a row it hides wholly gets a log-sum-exp of -inf (the kernel says 0)."""
     aten = torch.ops.aten
     if kernel == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float(), k.float(), v.float(), 0.0, causal, scale=scale
+            q.float(), k.float(), v.float(), 0.0, causal and mask is None, attn_mask=_additive(mask), scale=scale
         )
+        if mask is not None:
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out, lse.unsqueeze(-1), None
     if kernel == "flash":  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset, debug)
         out, lse, *rest = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -164,12 +184,21 @@ def _fused_forward(kernel: str, q, k, v, causal: bool, scale: float):
     return out, lse[..., : q.shape[2]].unsqueeze(-1), (seed, offset, lse.shape[-1])
 
 
-def _fused_backward(kernel: str, aux, grad_out, q, k, v, out, lse, causal: bool, scale: float):
+def _fused_backward(kernel: str, aux, grad_out, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """The block's dq, dk, dv given the merged output and log-sum-exp of its query rows."""
     aten, lse = torch.ops.aten, lse.squeeze(-1)
     if kernel == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, scale=scale
+            grad_out.float(),
+            q.float(),
+            k.float(),
+            v.float(),
+            out.float(),
+            lse,
+            0.0,
+            causal and mask is None,
+            attn_mask=_additive(mask),
+            scale=scale,
         )
     grad_out, out = grad_out.to(q.dtype).contiguous(), out.to(q.dtype)
     if kernel == "flash":
@@ -185,11 +214,14 @@ def _fused_backward(kernel: str, aux, grad_out, q, k, v, out, lse, causal: bool,
     return dq, dk, dv
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, first_row: int, mask=None) -> torch.Tensor:
     """fp32 q k^T · scale for query rows first_row... of a chunk against a key chunk; when causal (the same
-    chunk), -inf where the key comes after the query."""
+    chunk), -inf where the key comes after the query; given a boolean mask (documents, causal part included),
+    -inf where it hides the key."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    elif causal:
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first_row), float("-inf"))
     return s
 
@@ -205,18 +237,19 @@ def _keep(
     return keep_mask((*mask_key, *place), tp_rank, shape, dropout_p, like.device) / (1 - dropout_p)
 
 
-def _explicit_forward(q, k, v, causal: bool, first_row: int, scale: float, keep):
-    """One tile of a block in fp32: (output, log-sum-exp with a trailing unit dim)."""
-    s = _scores(q, k, scale, causal, first_row)
-    lse = s.logsumexp(-1, keepdim=True)  # finite: every row sees at least its own key
-    p = torch.exp(s - lse)
+def _explicit_forward(q, k, v, causal: bool, first_row: int, scale: float, keep, mask=None):
+    """One tile of a block in fp32: (output, log-sum-exp with a trailing unit dim). A row that sees no key (only
+    with documents) gets an output of 0 and a log-sum-exp of -inf."""
+    s = _scores(q, k, scale, causal, first_row, mask)
+    lse = s.logsumexp(-1, keepdim=True)  # finite without documents: every row sees at least its own key
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0))
     return torch.matmul(p if keep is None else p * keep, v.float()), lse
 
 
-def _explicit_backward(do, q, k, v, lse, delta, causal: bool, first_row: int, scale: float, keep):
+def _explicit_backward(do, q, k, v, lse, delta, causal: bool, first_row: int, scale: float, keep, mask=None):
     """One tile's dq, dk, dv (fp32) from the merged row log-sum-exp and delta = rowsum(dO ∘ O)."""
     q = q.float()
-    p = torch.exp(_scores(q, k, scale, causal, first_row) - lse)
+    p = torch.exp(_scores(q, k, scale, causal, first_row, mask) - lse)
     dz = torch.matmul(do, v.float().transpose(-1, -2))
     z, dp = (p, dz) if keep is None else (p * keep, dz * keep)
     ds = p * (dp - delta) * scale  # softmax backward over the whole row
@@ -244,6 +277,34 @@ class RingCall:
     mask_key: Key = ()
     tp_rank: int | None = None
     kernel: str | None = None
+    segments: torch.Tensor | None = None  # (b, s) the whole window's document index of each token (documents)
+
+
+@dataclass
+class BlockCounts:
+    """Ring blocks (chunk pairs, or tiles of them on the explicit path) this process computed and skipped in
+    forward passes since the last reset (a benchmark reads them: tools/bench_documents.py)."""
+
+    computed: int = 0
+    skipped: int = 0
+
+
+block_counts = BlockCounts()
+
+
+def _block_mask(call: RingCall, cp: int, gq: int, gk: int, rows: slice, causal: bool):
+    """(skip, mask) of the block of query chunk gq's rows against key chunk gk: skip when every key lies in an
+    earlier document than every query of every sample; mask None when no document is involved or when, in every
+    sample, queries and keys lie in one document (then the causal flag alone is right)."""
+    if call.segments is None:
+        return False, None
+    chunks = call.segments.chunk(2 * cp, dim=1)
+    sq, sk = chunks[gq][:, rows], chunks[gk]  # (b, rows), (b, chunk): non-decreasing along each row
+    if bool((sk[:, -1] < sq[:, 0]).all()):
+        return True, None
+    if bool((sk[:, 0] == sq[:, -1]).all()):
+        return False, None
+    return False, sdpa_mask(sq, sk, rows.start if causal else None)
 
 
 def ring_forward(q, k, v, call: RingCall):
@@ -266,16 +327,25 @@ def ring_forward(q, k, v, call: RingCall):
         pending = ring.post(kv) if step < cp - 1 else None  # the next block travels during this compute
         ks, vs = (_expand(x, heads).chunk(2, dim=2) for x in kv)
         for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=kernel is None):
+            skip, mask = _block_mask(call, cp, place[0], place[1], rows, causal)
+            block_counts.skipped += skip
+            block_counts.computed += not skip
+            if skip:
+                continue
             if kernel is not None:
-                block_out, block_lse, aux = _fused_forward(kernel, qs[qi], ks[ki], vs[ki], causal, scale)
+                block_out, block_lse, aux = _fused_forward(kernel, qs[qi], ks[ki], vs[ki], causal, scale, mask)
             else:
                 keep = _keep(mask_key, place, tp_rank, rows, q, chunk, dropout_p)
                 block_out, block_lse = _explicit_forward(
-                    qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start, scale, keep
+                    qs[qi][:, :, rows], ks[ki], vs[ki], causal, rows.start, scale, keep, mask
                 )
             o, o_lse = outs[qi][:, :, rows], lses[qi][:, :, rows]
             merged = torch.logaddexp(o_lse, block_lse)
-            o.mul_(torch.exp(o_lse - merged)).add_(block_out * torch.exp(block_lse - merged))
+            if call.segments is not None:  # rows that have seen no key yet: -inf on both sides, weights 0
+                merged_or_0 = torch.where(torch.isfinite(merged), merged, 0.0)
+                o.mul_(torch.exp(o_lse - merged_or_0)).add_(block_out * torch.exp(block_lse - merged_or_0))
+            else:
+                o.mul_(torch.exp(o_lse - merged)).add_(block_out * torch.exp(block_lse - merged))
             o_lse.copy_(merged)
         if pending is not None:
             kv = ring.wait(pending)
@@ -308,8 +378,13 @@ def ring_backward(grad_out, q, k, v, out, lse, aux, call: RingCall):
         dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
         dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
         for qi, ki, rows, causal, place in _blocks(cp, rank, source, chunk, tiled=kernel is None):
+            skip, mask = _block_mask(call, cp, place[0], place[1], rows, causal)
+            if skip:
+                continue
             if kernel is not None:
-                grads = _fused_backward(kernel, aux, dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], causal, scale)
+                grads = _fused_backward(
+                    kernel, aux, dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], causal, scale, mask
+                )
             else:
                 keep = _keep(call.mask_key, place, call.tp_rank, rows, q, chunk, dropout_p)
                 grads = _explicit_backward(
@@ -323,6 +398,7 @@ def ring_backward(grad_out, q, k, v, out, lse, aux, call: RingCall):
                     rows.start,
                     scale,
                     keep,
+                    mask,
                 )
             for acc, grad in zip((dqs[qi][:, :, rows], dks[ki], dvs[ki]), grads):
                 acc += grad
@@ -359,12 +435,15 @@ def ring_attention(
     mask_key: Key = (),
     tp_rank: int | None = None,
     blocks: str = "auto",
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys: q (b, heads, 2c, hd),
     k and v (b, kv_heads, 2c, hd), each holding chunks cp_chunks(cp, rank). Dropout masks are keyed by
     mask_key + (query chunk, key chunk, first row of the tile) and tp_rank. blocks: auto (a fused kernel
-    without dropout where one applies, see fused_kernel), fused, or explicit."""
-    call = RingCall(_Ring(cp_group), dropout_p, tuple(mask_key), tp_rank, _block_kernel(q, dropout_p, blocks))
+    without dropout where one applies, see fused_kernel), fused, or explicit. segments (b, s): the whole
+    window's document index of each token (data.document_mask): attention stays within documents."""
+    kernel = _block_kernel(q, dropout_p, blocks, documents=segments is not None)
+    call = RingCall(_Ring(cp_group), dropout_p, tuple(mask_key), tp_rank, kernel, segments)
     return _RingAttention.apply(q, k, v, call)
 
 

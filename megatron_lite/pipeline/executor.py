@@ -16,6 +16,11 @@ s/tp, h) under sequence parallelism, so receivers allocate their buffers up fron
 too: its schedule is F0 B0 F1 B1 ... with no Comm steps. Where the next virtual stage is this rank's own
 other chunk (pp = 1, the turn of zbv's V), the output and the input gradient are handed over in memory.
 
+With data.document_mask a micro-batch is data.documents.Windows (tokens and each token's position in its
+document): every chunk's forward gets it as `documents`, since every block masks its attention by it and the head
+its loss. Each pipeline rank reads its micro-batches from the data itself (as it reads the labels), so the
+documents travel with each micro-batch without growing any message.
+
 Each forward gets its micro-batch's dropout key, `rng_key` = (step, index in the global batch), from the
 caller: masks depend on which micro-batch runs, never on when (parallel/random.py), so every schedule trains
 like the single process with dropout on.
@@ -43,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.variable import Variable
 
+from megatron_lite.data.documents import Windows
 from megatron_lite.parallel import weight_grad
 from megatron_lite.pipeline.partition import ChunkSpec
 from megatron_lite.pipeline.schedules import SPLIT_BACKWARD, Comm, Compute, build_schedule, v_shaped
@@ -181,6 +187,9 @@ class PipelineExecutor:
 
     def _forward(self, forward, spec: ChunkSpec, batch: torch.Tensor, received, train: bool, inputs, mb, rng_key):
         batch = batch.to(self.device, non_blocking=True)
+        documents = batch if isinstance(batch, Windows) else None
+        if documents is not None:
+            batch = documents.tokens
         labels = batch[:, 1:] if spec.has_head else None
         if spec.has_embedding:
             x = batch[:, :-1]
@@ -189,7 +198,9 @@ class PipelineExecutor:
             if train:
                 x.requires_grad_()
                 inputs[(mb, spec.chunk)] = x
-        return forward(x, labels, chunk=spec.chunk, rng_key=rng_key)
+        if documents is None:
+            return forward(x, labels, chunk=spec.chunk, rng_key=rng_key)
+        return forward(x, labels, chunk=spec.chunk, rng_key=rng_key, documents=documents)
 
     def _run_forward(
         self,

@@ -117,6 +117,8 @@ def check_data(cfg: Config) -> None:
                     f"has {tokens} {split} tokens, too few for one sample of model.seq_len + 1 = {m.seq_len + 1}",
                     f"{fix}, or a smaller model.seq_len",
                 )
+    if d.document_mask:
+        _check_document_boundaries(paths, metas, key, cfg.train.eval_interval > 0)
     data_vocab = metas[0].get("vocab_size", 0)
     if data_vocab > m.vocab_size:
         fail(
@@ -150,3 +152,19 @@ def check_data(cfg: Config) -> None:
             f"gives a dataset {smallest:.2g} of the blend, under the 1/{BLEND_BLOCK} a blending block can hold",
             f"raise its weight to at least {sum(weights) / BLEND_BLOCK:.3g} or drop it",
         )
+
+
+def _check_document_boundaries(paths: list[str], metas: list[dict], key, validation: bool) -> None:
+    """data.document_mask needs where documents begin: the split's index (<split>.idx.npy, written by
+    tools/prepare_data.py) or, for data prepared without one, the eos id in meta.json to find them by."""
+    for k, meta in enumerate(metas):
+        for split in ("train", "val") if validation else ("train",):
+            index = os.path.exists(os.path.join(repo_path(paths[k]), f"{split}.idx.npy"))
+            if not index and meta.get("eos_id") is None:
+                fail(
+                    key(k),
+                    paths[k],
+                    f"has no {split}.idx.npy and no eos_id in its meta.json, so data.document_mask=true cannot "
+                    "tell where its documents begin",
+                    "prepare it again with tools/prepare_data.py (it writes both), or set data.document_mask=false",
+                )

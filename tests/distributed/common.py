@@ -80,6 +80,35 @@ def folded_corpus(path, vocab: int = TEST_VOCAB, tokens: int = 40_000) -> list[s
     return [f"data.path={write_prepared(path, splits, vocab)}", f"model.vocab_size={vocab}"]
 
 
+@functools.cache
+def documents_corpus(mean_length: int = 40) -> tuple[str, ...]:
+    """The folded corpus cut into short documents (lengths 1 to 3x mean_length, each ending with eos id 0) with
+    their index, for data.document_mask: a 128-token window holds about three. Overrides, written once a session."""
+    path = os.path.join(SCRATCH, f"documents_{TEST_VOCAB}_{mean_length}")
+    splits = {}
+    rng = np.random.default_rng(0)
+    for split, n in {"train": 40_000, "val": 4_000}.items():
+        ids = np.fromfile(os.path.join(ROOT, "data", "shakespeare-8k", f"{split}.bin"), dtype=np.uint16, count=n)
+        ids = ids % TEST_VOCAB
+        ids[ids == 0] = 1  # eos only where a document ends
+        lengths = rng.integers(1, 3 * mean_length, size=n)
+        starts = np.cumsum(lengths) - lengths
+        starts = starts[starts < n]
+        ids[starts[1:] - 1] = 0
+        splits[split] = ids
+        os.makedirs(path, exist_ok=True)
+        np.save(os.path.join(path, f"{split}.idx.npy"), starts.astype(np.int64))
+    write_prepared(path, splits, TEST_VOCAB)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({**meta, "eos_id": 0}, f)
+    return (f"data.path={path}", f"model.vocab_size={TEST_VOCAB}", "data.document_mask=true")
+
+
+documents_corpus.__test__ = False
+
+
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))

@@ -51,9 +51,10 @@ def rerun_with_other_key(function, *args):
 
     def shifted(*inputs):
         calls.append(None)
-        if len(calls) > 1:
-            seed, step, microbatch, *rest = inputs[-1]
-            inputs = (*inputs[:-1], (seed, step + 1, microbatch, *rest))
+        if len(calls) > 1:  # the key: the last tuple argument (the documents, None here, may follow it)
+            at = max(i for i, x in enumerate(inputs) if isinstance(x, tuple))
+            seed, step, microbatch, *rest = inputs[at]
+            inputs = (*inputs[:at], (seed, step + 1, microbatch, *rest), *inputs[at + 1 :])
         return function(*inputs)
 
     return tp_random.recompute(shifted, *args)

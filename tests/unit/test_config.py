@@ -31,16 +31,18 @@ def prepared(
     train: int = 100_000,
     val: int = 10_000,
     held: dict | None = None,
+    eos: int | None = 0,
 ) -> str:
     """A prepared data directory as validation sees it: meta.json, and token files of the sizes it records
-    (sparse: validation reads their sizes only); held: split -> tokens its file holds instead (None: no file)."""
+    (sparse: validation reads their sizes only); held: split -> tokens its file holds instead (None: no file);
+    eos None: no eos_id in meta.json (data prepared before one was recorded). No document index."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump(
             {
                 "dtype": "uint16",
                 "vocab_size": vocab,
-                "eos_id": 0,
+                **({} if eos is None else {"eos_id": eos}),
                 "tokenizer": tokenizer,
                 "train_tokens": train,
                 "val_tokens": val,
@@ -450,6 +452,12 @@ BAD_DATA = [  # (data.path entries as prepared(...) arguments, further overrides
         r"^data.path=\S+/d0 has no val.bin where its meta.json records 10000; prepare it again",
     ),
     (
+        [{"eos": None}],
+        ["data.document_mask=true"],
+        r"^data.path=\S+/d0 has no train.idx.npy and no eos_id in its meta.json, so data.document_mask=true "
+        r"cannot tell where its documents begin; prepare it again with tools/prepare_data.py",
+    ),
+    (
         [{}, {"held": {"train": 99_999}}],
         [],
         r"^data.path\[1\]=\S+/d1 has 99999 tokens in train.bin where its meta.json records 100000; prepare it again",
@@ -464,6 +472,12 @@ def test_bad_data_gives_one_line(dirs, overrides, expected, tmp_path):
     with pytest.raises(ConfigError, match=expected) as err:
         load([f"data.path={path}", *overrides], world_size=1)
     assert "\n" not in str(err.value) and ";" in str(err.value)
+
+
+def test_document_mask_takes_boundaries_from_eos_without_an_index(tmp_path):
+    """Data without a document index (prepared before it was written) still works by its eos id."""
+    cfg = load([f"data.path={prepared(tmp_path / 'd')}", "data.document_mask=true"], world_size=1)
+    assert cfg.data.document_mask
 
 
 def test_a_blend_names_each_directory_once_and_composes(tmp_path):
