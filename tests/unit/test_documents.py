@@ -126,3 +126,20 @@ def test_mfu_counts_the_attention_within_documents():
     assert masked == pytest.approx(full - 3 * cfg.n_layers * core * tokens * 3 / 4, rel=1e-12)
     recomputed = step_flops(cfg, tokens, "selective", attended=sum(n * n for n in lengths))
     assert recomputed[1] - recomputed[0] == pytest.approx(cfg.n_layers * core * tokens / 4, rel=1e-12)
+
+
+def test_bench_documents_runs(tmp_path):
+    """tools/bench_documents.py --quick writes its record: the three attention cases, both step cases, and ring
+    blocks skipped (never more than there are)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "documents.json"
+    cmd = [sys.executable, "tools/bench_documents.py", "--quick", "--heads", "2", "--head-dim", "16", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert set(record["attention_ms"]) == {"causal", "dense mask", "per document"}
+    assert set(record["step_ms"]) == {"causal", "document mask"} and 0 < record["attention_share"] < 1
+    assert all(0 <= c["skipped"] <= c["of"] for c in record["ring_blocks"].values())
+    assert record["ring_blocks"]["cp4, one window"]["skipped"] > 0
