@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.data.documents import Windows  # noqa: E402
-from megatron_lite.model.documents import DocumentMask, sdpa_mask, varlen_applies, varlen_attention  # noqa: E402
+from megatron_lite.model.documents import DocumentMask, varlen_applies, varlen_attention  # noqa: E402
 from megatron_lite.model.gpt import GPT  # noqa: E402
 from megatron_lite.parallel import context_parallel as C  # noqa: E402
+from megatron_lite.parallel.context_parallel import document_mask  # noqa: E402
 from tools.bench_ring_blocks import ring_in_threads  # noqa: E402
 from tools.commit import cpu_record  # noqa: E402
 
@@ -98,7 +99,7 @@ def attention_times(args, device, dtype, docs: DocumentMask) -> dict:
     def masked(q, k, v):
         if varlen_applies(q):
             return varlen_attention(q, k, v, docs)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(docs.segments, docs.segments))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.segments, docs.segments))
 
     cases = {
         "causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),

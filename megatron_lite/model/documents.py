@@ -9,7 +9,8 @@ The attention mask: query i sees key j when j <= i and both lie in the same docu
   - on CUDA (bf16/fp16, no attention dropout): FlashAttention's variable-length kernel through torch
     (`varlen_attention`), the micro-batch's windows laid end to end as one packed sequence cut at every document
     start (cu_seqlens), so no work is spent on pairs across documents;
-  - elsewhere torch's SDPA with a boolean (b, 1, s, s) block-diagonal causal mask (`sdpa_mask`). On CPU, at seq
+  - elsewhere torch's SDPA with a boolean (b, 1, s, s) block-diagonal causal mask
+    (`parallel.context_parallel.document_mask`). On CPU, at seq
     1024 with documents of 128 tokens on average (tools/bench_documents.py), it took 1.42-1.44x causal SDPA's
     time forward + backward (a mask computes every block, causal skips half); one SDPA call per document, the
     other way, took 1.29-1.61x from run to run (its calls are small), so the mask stays: as fast, steadier, and
@@ -95,14 +96,3 @@ def reduce_loss(losses: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor
     if docs is None:
         return losses.mean()
     return torch.where(docs.predicted.flatten(), losses, 0.0).sum() / docs.loss_tokens
-
-
-def sdpa_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal_offset: int | None = 0) -> torch.Tensor:
-    """SDPA's boolean mask (b, 1, sq, sk): key j is seen by query i when they share a document and, with a causal
-    offset o, j <= i + o (o = 0 for a query and key range that start together)."""
-    same = q_segments[:, None, :, None] == k_segments[:, None, None, :]
-    if causal_offset is None:
-        return same
-    sq, sk = q_segments.shape[1], k_segments.shape[1]
-    causal = torch.ones(sq, sk, dtype=torch.bool, device=same.device).tril(causal_offset)
-    return same & causal

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -46,9 +45,11 @@ import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.kernels import OPS, ops
-from megatron_lite.model.documents import DocumentMask, reduce_loss, sdpa_mask, varlen_applies, varlen_attention
+from megatron_lite.model.documents import DocumentMask, reduce_loss, varlen_applies, varlen_attention
 from megatron_lite.model.init import check_full_weights, init_tensor, local_part, materialize, parameter_slots
+from megatron_lite.model.positions import Rope, WholeSequence, apply_rope, rope_cos_sin
 from megatron_lite.parallel import weight_grad
+from megatron_lite.parallel.context_parallel import document_mask
 from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
 from megatron_lite.pipeline.partition import ChunkSpec
 
@@ -99,52 +100,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         return weight_grad.linear(x, self.weight, self.bias if add_bias else None)
-
-
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim), halves repeated (HF Llama's rotate-half layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)  # (s, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (s, hd)
-    return angles.cos(), angles.sin()
-
-
-class WholeSequence:
-    """How a rank holds each sequence: all of it, in order. Context parallelism swaps in a shard of it
-    (model/parallelize_cp.py: two of 2*cp chunks) with the same four members."""
-
-    size = 1  # ranks that share one sequence
-
-    def shard(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens or labels (b, s) -> this rank's (b, s / size)."""
-        return x
-
-    def positions(self, s_local: int, device) -> torch.Tensor:
-        """Global position ids (s_local,) of this rank's tokens."""
-        return torch.arange(s_local, device=device)
-
-    def rows(self, table: torch.Tensor, s_local: int) -> torch.Tensor:
-        """The rows of a per-position table (RoPE's cos/sin) for this rank's tokens."""
-        return table[:s_local]  # a view: the tables cover model.seq_len, a sequence may be shorter
-
-
-class Rope(NamedTuple):
-    """RoPE's cos/sin tables over model.seq_len and the sequence layout that picks this rank's rows."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    sequence: WholeSequence
-
-    def at(self, s_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sequence.rows(self.cos, s_local), self.sequence.rows(self.sin, s_local)  # (s_local, hd) each
-
-
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "torch", positions: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x: (b, heads, s, hd); rotate pairs (i, i + hd/2) by the position angle (megatron_lite/kernels/rope.py):
-    row t of the tables, or row positions[b, t] of them given positions (b, s)."""
-    return ops.apply_rope(x, cos, sin, backend, positions)
 
 
 class Attention(nn.Module):
@@ -207,7 +162,7 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if docs is not None and dropout == 0.0 and varlen_applies(q):
             return varlen_attention(q, k, v, docs)
-        mask = None if docs is None else sdpa_mask(docs.segments, docs.segments)
+        mask = None if docs is None else document_mask(docs.segments, docs.segments)
         causal = mask is None
         if not self.training or self.dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)

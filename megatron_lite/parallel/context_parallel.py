@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_lite.model.documents import sdpa_mask
 from megatron_lite.parallel.mappings import all_to_all
 from megatron_lite.parallel.random import Key, keep_mask
 
@@ -65,6 +64,17 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch
     """The global position ids of this rank's tokens of a sequence of seq_len."""
     c = seq_len // (2 * cp_size)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in cp_chunks(cp_size, cp_rank)])
+
+
+def document_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal_offset: int | None = 0) -> torch.Tensor:
+    """SDPA's boolean mask (b, 1, sq, sk): key j is seen by query i when they share a document and, with a causal
+    offset o, j <= i + o (o = 0 for a query and key range that start together)."""
+    same = q_segments[:, None, :, None] == k_segments[:, None, None, :]
+    if causal_offset is None:
+        return same
+    sq, sk = q_segments.shape[1], k_segments.shape[1]
+    causal = torch.ones(sq, sk, dtype=torch.bool, device=same.device).tril(causal_offset)
+    return same & causal
 
 
 def shard_sequence(x: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -304,7 +314,7 @@ def _block_mask(call: RingCall, cp: int, gq: int, gk: int, rows: slice, causal: 
         return True, None
     if bool((sk[:, 0] == sq[:, -1]).all()):
         return False, None
-    return False, sdpa_mask(sq, sk, rows.start if causal else None)
+    return False, document_mask(sq, sk, rows.start if causal else None)
 
 
 def ring_forward(q, k, v, call: RingCall):

@@ -7,8 +7,9 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.data.documents import Windows
 from megatron_lite.model import documents
-from megatron_lite.model.documents import DocumentMask, sdpa_mask, varlen_applies, varlen_attention
+from megatron_lite.model.documents import DocumentMask, varlen_applies, varlen_attention
 from megatron_lite.model.gpt import GPT
+from megatron_lite.parallel.context_parallel import document_mask
 
 DEVICE = "cuda"
 
@@ -41,7 +42,7 @@ def test_varlen_attention_equals_masked_sdpa(kv_heads):
     for fn in (
         lambda q, k, v: varlen_attention(q, k, v, docs),
         lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=sdpa_mask(docs.segments, docs.segments), enable_gqa=True
+            q.float(), k.float(), v.float(), attn_mask=document_mask(docs.segments, docs.segments), enable_gqa=True
         ),
     ):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]

@@ -10,19 +10,9 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.data.dataset import WindowDataset
 from megatron_lite.data.documents import Windows, positions_from_eos, positions_from_starts, stack
 from megatron_lite.model.gpt import GPT
+from tests.unit.test_model import GPT2, LLAMA
 
 EOS = 0
-GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
-LLAMA = dict(
-    GPT2,
-    n_kv_heads=2,
-    ffn_hidden=96,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    bias=False,
-    tie_embeddings=False,
-)
 
 
 def _stream(lengths: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

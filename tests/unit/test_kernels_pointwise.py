@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from megatron_lite.model.gpt import rope_cos_sin
+from megatron_lite.model.positions import rope_cos_sin
 
 # The interpreter evaluates tl.sigmoid with numpy, whose exp warns when it overflows to inf for very negative
 # arguments; the sigmoid is then exactly 0, which is the right answer (checked in the extremes test).

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.gpt import GPT, apply_rope, padded_vocab_size, rope_cos_sin
+from megatron_lite.model.gpt import GPT, padded_vocab_size
+from megatron_lite.model.positions import apply_rope, rope_cos_sin
 
 GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
 LLAMA = dict(

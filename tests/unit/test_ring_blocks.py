@@ -7,9 +7,8 @@ memory-efficient kernel for fp32, and the explicit path. The fused cases also ch
 import pytest
 import torch
 
-from megatron_lite.model.documents import sdpa_mask
 from megatron_lite.parallel import context_parallel as C
-from megatron_lite.parallel.context_parallel import fused_kernel, shard_sequence
+from megatron_lite.parallel.context_parallel import document_mask, fused_kernel, shard_sequence
 from tools.bench_ring_blocks import ring_in_threads
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -24,7 +23,7 @@ def serial(q, k, v, grad, segments=None):
     output, dq, dk, dv."""
     q, k, v = (x.double().requires_grad_() for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
-    mask = None if segments is None else sdpa_mask(segments, segments)
+    mask = None if segments is None else document_mask(segments, segments)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask, is_causal=mask is None
     )
