@@ -274,9 +274,10 @@ class ClusterConfig:
     inter_node_GBps: float | None = None
     """A node's network bandwidth, all NICs together, GB/s; None: one NIC per GPU, each as fast as one of the GPU's
     DGX/HGX node (8 NICs: 50 GB/s for H100), times gpus_per_node."""
-    achievable: float = 0.65
-    """Fraction of the bf16 dense peak that GEMMs and attention sustain (an assumption; see docs/performance.md
-    'Choosing a layout')."""
+    achievable: float | None = None
+    """Fraction of the bf16 dense peak that GEMMs and attention sustain; null: the GPU class's measured rates
+    (plan/hardware.py: on an H100, GEMMs 0.823 of peak plus 8 us a call, flash attention 0.285 plus 33 us; the
+    A100s 0.65, fitted to Megatron-LM's runs). A number overrides them (docs/performance.md 'Choosing a layout')."""
     reserve_gib: float = 2.0
     """Memory per GPU that tensors cannot use: CUDA context, NCCL buffers, allocator fragmentation."""
 

@@ -12,6 +12,19 @@ the network a DGX/HGX node of that GPU ships with (one NIC per GPU):
   h200        140 GiB   989 TFLOP/s   4800 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
   b200        179 GiB   2250 TFLOP/s  8000 GB/s  900 GB/s              8 x 400 Gb/s NDR = 400 GB/s
 
+How fast GEMMs and attention run on each class, measured where we could (`Rates`): a GEMM takes its FLOPs at a
+fraction of the bf16 peak plus a fixed cost per call (the ramp-up and the last partial wave of tiles, which small
+and tp-split GEMMs feel most); attention (flash, forward and backward) likewise at its own fraction and per-call
+cost. Fitted on the H100 to two models' kernel times (the torch.profiler tables in bench/results/profiles_h100:
+gpt2-124m at 8 x 1024, h = 768, and gpt-1.3b at 4 x 2048, h = 2048; head dim 64): GEMMs 0.823 of the peak +
+8.2 us a call, so 0.71 of peak at h = 768 and 0.80 at h = 2048 as measured; cuDNN's flash attention 0.285 + 33 us a
+call (0.19 and 0.26 as measured). The H200 (gpt-1.3b's profile, with the H100's per-call costs): 0.822 and 0.292.
+(The 8192^3 matmul `make bench-gpu` probes reached 0.74 on either: a sustained single GEMM runs hotter, and
+slower, than a model's GEMMs between memory-bound kernels.) The A100s keep 0.65 for both, no per-call cost: the
+fit to Megatron-LM's published A100 runs (plan/published.py), the only A100 figures we have. The B200 has none of
+its own and takes the H100's. `cluster.achievable` overrides a class's rates: both at that fraction, no per-call
+cost.
+
 Collectives are costed as NCCL runs them on such a machine (Thakur et al. 2005 for the formulas; NCCL's docs
 for "bus bandwidth"): a group of n ranks moving B bytes takes
 
@@ -35,6 +48,25 @@ GIB = 2**30
 
 
 @dataclass(frozen=True)
+class Rates:
+    """How fast a GPU class runs GEMMs and flash attention (module docstring): fractions of its bf16 dense peak
+    and fixed seconds per kernel call; `measured` says where the figures come from."""
+
+    gemm: float
+    gemm_call_s: float
+    attention: float
+    attention_call_s: float
+    measured: str
+
+
+# Fitted in the module docstring (profiles of commit f4f137b on the H100, e5adc0e on the H200)
+H100_RATES = Rates(0.823, 8.2e-6, 0.285, 33e-6, "H100 kernel times of gpt2-124m and gpt-1.3b")
+H200_RATES = Rates(0.822, 8.2e-6, 0.292, 33e-6, "H200 kernel times of gpt-1.3b, the H100's per-call costs")
+A100_RATES = Rates(0.65, 0.0, 0.65, 0.0, "fitted to Megatron-LM's published A100 runs")
+B200_RATES = Rates(0.823, 8.2e-6, 0.285, 33e-6, "none: the H100's")
+
+
+@dataclass(frozen=True)
 class GPU:
     name: str
     memory_bytes: int
@@ -44,16 +76,20 @@ class GPU:
     node_net_GBps: float  # the node's inter-node network, all NICs together, GB/s
     fp32_flops: float  # plain fp32 (CUDA-core) peak, FLOP/s: what fp32 matmuls get, since the trainer leaves
     # TF32 off (torch's default); metrics/flops.PEAK_TABLE's "fp32" column
+    rates: Rates = A100_RATES  # GEMM and attention rates (module docstring)
 
 
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12),
-        GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12),
-        GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12),
-        GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12),  # "141 GB" sold; the driver reports 143,771 MiB
-        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12),  # "180 GB" sold; the driver reports 183,359 MiB;
+        GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12, A100_RATES),
+        GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12, A100_RATES),
+        GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12, H100_RATES),
+        # "141 GB" sold; the driver reports 143,771 MiB
+        GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12, H200_RATES),
+        GPU(
+            "b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES
+        ),  # "180 GB" sold; the driver reports 183,359 MiB;
         # fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's Blackwell datasheet (not in flops.PEAK_TABLE: probed there)
     )
 }
@@ -104,8 +140,15 @@ class Cluster:
     nodes: int
     intra_node_GBps: float
     inter_node_GBps: float
-    achievable: float  # the fraction of bf16 peak a large GEMM-bound layer sustains (see plan/timing.py)
+    achievable: float | None  # GEMMs and attention at this fraction of the peak; None: the GPU's measured rates
     reserve_bytes: int  # per GPU, not available to tensors: CUDA context, NCCL buffers, allocator slack
+
+    @property
+    def rates(self) -> Rates:
+        """The GEMM and attention rates to price with: the GPU class's, or cluster.achievable for both."""
+        if self.achievable is None:
+            return self.gpu.rates
+        return Rates(self.achievable, 0.0, self.achievable, 0.0, "cluster.achievable")
 
     @property
     def world_size(self) -> int:

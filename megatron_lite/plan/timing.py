@@ -1,9 +1,14 @@
 """Predicted step time of a layout on a cluster: compute, memory-bound work, communication, bubble, optimizer.
 
 Assumptions, each a choice a reader can disagree with:
-  - GEMMs and the attention core run at `cluster.achievable` of the bf16 dense peak (fp32: of the plain fp32
-    CUDA-core peak, since the trainer leaves TF32 off, torch's default). FLOPs are those of metrics/flops.py (causal attention at half, as flash attention skips masked blocks);
-    recomputation adds what it reruns (metrics/flops.recompute_flops_per_token's rule).
+  - GEMMs run at the GPU class's measured fraction of the bf16 dense peak plus a fixed cost per call, flash
+    attention at its own fraction plus its own per-call cost (plan/hardware.Rates: on an H100 0.823 + 8 us and
+    0.285 + 33 us), or both at `cluster.achievable` with no per-call cost when that is set (fp32: fractions of
+    the plain fp32 CUDA-core peak, since the trainer leaves TF32 off, torch's default). A layer's forward makes 4
+    GEMM calls (QKV, the output projection, the MLP's two: SwiGLU's gate and up are one) and its backward 8 (input
+    and weight gradients); the head 1 and 2; attention one call each way. FLOPs are those of metrics/flops.py
+    (causal attention at half, as flash attention skips masked blocks); recomputation adds what it reruns
+    (metrics/flops.recompute_flops_per_token's rule).
   - Element-wise work (norms, residual adds with dropout, GeLU/SwiGLU, RoPE, the cross entropy over the
     logits) is bound by HBM bandwidth: each pass reads and writes its tensors once; a backward pass moves twice
     the forward's bytes. Without SP the residual-stream work is repeated on every TP rank; with SP it is split.
@@ -21,7 +26,10 @@ Assumptions, each a choice a reader can disagree with:
   - The optimizer step is HBM-bound: AdamW reads gradient, master weight and two moments and writes three of
     them plus the bf16 copy where there is one (28 or 30 bytes per parameter of the local partition), at 0.78 of the
     bandwidth for this trainer; ZeRO-0 adds its gradient-norm pass (4 bytes), and in bf16 autocast's weight and
-    gradient copies (StepTime.casts_s). With the optimizer offloaded, the
+    gradient copies (StepTime.casts_s). bf16 ZeRO-1 runs DeepSpeed's BF16_Optimizer, which keeps whole fp32
+    gradients: every micro-batch adds each bf16 gradient into them through an fp32 copy and zeroes it (20 bytes a
+    parameter), and each step measures their norm (4), clips them (8), zeroes them and the bf16 ones (6), and copies
+    the updated fp32 partition into the bf16 one (4 more than the 2 counted above). With the optimizer offloaded, the
     partition's gradients and parameters cross PCIe (25 GB/s each way) and DeepSpeed's CPU Adam updates about
     1e9 parameters/s per GPU's share of the host (ZeRO-Offload, Ren et al. 2021, reports that order).
 Not modelled: kernel launch overheads, data loading, stragglers, network contention between axes, the tied
@@ -66,12 +74,13 @@ class System:
     optimizer_bw: float = 1.0  # AdamW's pass over its states, the gradient norm
     cast_bw: float = 1.0  # autocast's copies of each weight and gradient (many small tensors)
     autocast_passes: bool = False  # ZeRO-0 bf16's weight and gradient casts, and its own gradient-norm pass
+    bf16_optimizer_passes: bool = False  # bf16 ZeRO-1's DeepSpeed BF16_Optimizer: whole fp32 gradients (module doc)
 
 
 # Measured at gpt-1.3b on the H100: the element-wise work the planner counts, 18.2 ms at the datasheet's 3.35 TB/s,
 # took 30.5 ms (0.60); fused AdamW's 28 bytes a parameter ran at 2.6 TB/s (0.78), the same as the norm's pass (5.2 GB
 # in 2.0 ms); the 536 casts a step moved 15.8 GB in 13.5 ms (0.36).
-OURS = System(elementwise_bw=0.60, optimizer_bw=0.78, cast_bw=0.36, autocast_passes=True)
+OURS = System(elementwise_bw=0.60, optimizer_bw=0.78, cast_bw=0.36, autocast_passes=True, bf16_optimizer_passes=True)
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,9 @@ class StepModel:
         bf16 = layout.precision == "bf16"
         self.act = 2 if bf16 else 4
         peak = cluster.gpu.bf16_flops if bf16 else cluster.gpu.fp32_flops
-        self.flops_per_s = peak * cluster.achievable
+        rates = cluster.rates
+        self.gemm_per_s, self.gemm_call_s = peak * rates.gemm, rates.gemm_call_s
+        self.attention_per_s, self.attention_call_s = peak * rates.attention, rates.attention_call_s
         self.hbm = cluster.gpu.hbm_GBps * 1e9 * system.elementwise_bw  # what the element-wise passes reach
         self.hbm_optimizer = cluster.gpu.hbm_GBps * 1e9 * system.optimizer_bw
         self.hbm_casts = cluster.gpu.hbm_GBps * 1e9 * system.cast_bw
@@ -175,11 +186,24 @@ class StepModel:
 
     # --- one layer ---
 
+    def _gemms(self, flops: float, calls: int) -> float:
+        return flops / self.gemm_per_s + calls * self.gemm_call_s
+
+    def _attention(self, flops: float) -> float:
+        """One attention call (a forward, or a backward of twice the forward's FLOPs)."""
+        return flops / self.attention_per_s + self.attention_call_s
+
+    def _core_forward_s(self) -> float:
+        """This rank's attention core of one layer for one micro-batch, forward."""
+        core = layer_flops_per_token(self.cfg, self.cfg.seq_len, causal=self.system.flash_attention)[1]
+        return self._attention(self.T * core / self.lay.tp)
+
     def _layer_forward(self) -> _Work:
         cfg, lay, act, T = self.cfg, self.lay, self.act, self.T
         tp, h = lay.tp, cfg.d_model
         dense, core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)
-        compute = T * (dense + core) / tp / self.flops_per_s
+        core_s = self._core_forward_s()
+        compute = self._gemms(T * dense / tp, 4) + core_s
         a, k, f = cfg.n_heads // tp, cfg.kv_heads // tp, cfg.ffn // tp
         residual_tokens = T / tp if lay.sp else T
         elems = residual_tokens * 10 * h  # 2 norms (read, write), 2 residual adds with dropout (read 2, write 1)
@@ -194,7 +218,7 @@ class StepModel:
             tp_s = 2 * self.tp_link.gather(tensor, tp) * 2  # 2 all-gathers + 2 reduce-scatters
         else:
             tp_s = 2 * self.tp_link.all_reduce(tensor, tp)
-        return _Work(compute, memory, tp_s, self._cp_forward(core * T / tp / self.flops_per_s))
+        return _Work(compute, memory, tp_s, self._cp_forward(core_s))
 
     def _cp_forward(self, core_s: float) -> float:
         cfg, lay = self.cfg, self.lay
@@ -207,9 +231,12 @@ class StepModel:
         return (lay.cp - 1) * max(0.0, hop - core_s / lay.cp)
 
     def _layer_backward(self, forward: _Work, recomputed: bool) -> _Work:
-        """Twice the forward's compute and memory traffic; TP: the forward's collectives once more, plus the
-        SP re-gathers; CP: the K/V hops again plus fp32 dK/dV hops. A recomputed layer repeats its forward."""
+        """Twice the forward's FLOPs (in 8 GEMM calls and one attention call) and memory traffic; TP: the forward's
+        collectives once more, plus the SP re-gathers; CP: the K/V hops again plus fp32 dK/dV hops. A recomputed
+        layer repeats its forward."""
         lay, cfg = self.lay, self.cfg
+        dense, core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)
+        compute = self._gemms(2 * self.T * dense / lay.tp, 8) + self._attention(2 * self.T * core / lay.tp)
         tensor = self.T * cfg.d_model * self.act
         if lay.sp:
             extra = 2 * self.tp_link.gather(tensor, lay.tp) if self.system.regather_sp else 0.0
@@ -223,14 +250,12 @@ class StepModel:
             else:
                 k, d = cfg.kv_heads // lay.tp, cfg.head_dim
                 hop = self.cp_link.p2p(2 * self.T * k * d * (self.act + 4))
-                core_s = layer_flops_per_token(cfg, cfg.seq_len)[1] * self.T / lay.tp / self.flops_per_s
-                cp_s = (lay.cp - 1) * max(0.0, hop - 2 * core_s / lay.cp)
-        work = _Work(2 * forward.compute, 2 * forward.memory, tp_s, cp_s)
+                cp_s = (lay.cp - 1) * max(0.0, hop - 2 * self._core_forward_s() / lay.cp)
+        work = _Work(compute, 2 * forward.memory, tp_s, cp_s)
         if recomputed:  # torch's early stop skips fc_out's GEMM; a rounding next to the layer's cost
             work = work + forward
         elif lay.recompute == "selective":
-            core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)[1]
-            work = work + _Work(compute=self.T * core / lay.tp / self.flops_per_s)
+            work = work + _Work(compute=self._core_forward_s())
         return work
 
     # --- chunks and ranks ---
@@ -239,13 +264,13 @@ class StepModel:
         """LM head GEMM and the cross entropy's passes over the (b, s, V/tp) logits (fp32)."""
         cfg, lay, T = self.cfg, self.lay, self.T
         V = head_vocab(cfg, lay.tp)
-        gemm = 2 * T * cfg.d_model * V / self.flops_per_s
+        flops = 2 * T * cfg.d_model * V
         logits = T * V * (self.act + 4 * 3) / self.hbm  # logits out; shifted, exp, softmax in fp32
         tensor = T * cfg.d_model * self.act
         comm = self.tp_link.gather(tensor, lay.tp) if lay.sp else self.tp_link.all_reduce(tensor, lay.tp)
         ce = 3 * self.tp_link.all_reduce(T * 4, lay.tp)
-        fwd = _Work(gemm, logits, comm + ce)
-        return fwd, _Work(2 * gemm, 2 * logits, comm)
+        fwd = _Work(self._gemms(flops, 1), logits, comm + ce)
+        return fwd, _Work(self._gemms(2 * flops, 2), 2 * logits, comm)
 
     def _embedding(self) -> _Work:
         tensor = self.T * self.cfg.d_model * self.act
@@ -316,6 +341,9 @@ class StepModel:
             optimizer = partition * (28 + (2 if lay.bf16_states else 0)) / self.hbm_optimizer
         if lay.zero_stage == 0 and self.system.autocast_passes:  # Engine._reduced_grad_norm reads every gradient
             optimizer += P * 4 / self.hbm_optimizer
+        if (lay.zero_stage, lay.precision) == (1, "bf16") and self.system.bf16_optimizer_passes:
+            # DeepSpeed's BF16_Optimizer on its whole fp32 gradients: accumulate (per micro-batch), norm, clip, zero
+            optimizer += (P * (20 * m + 4 + 8 + 6) + partition * 4) / self.hbm_optimizer
         return exposed + gather, optimizer
 
     def step(self, params_per_rank: list[int]) -> StepTime:

@@ -26,7 +26,7 @@ def check_cluster(c: ClusterConfig) -> None:
                 "must be a positive bandwidth in GB/s",
                 "e.g. 450, or null for the GPU's default",
             )
-    if not 0 < c.achievable <= 1:
+    if c.achievable is not None and not 0 < c.achievable <= 1:
         fail("cluster.achievable", c.achievable, "must be a fraction in (0, 1]", "e.g. 0.65")
     gpu_gib = gpu_named(c.gpu).memory_bytes / 2**30
     if not 0 <= c.reserve_gib < gpu_gib:  # NaN too

@@ -31,11 +31,11 @@ def test_each_gpu_class_takes_its_worst_measured_row_and_an_unmeasured_one_the_w
     for gpu in ("h100-sxm", "h200"):
         rows = [r for r in MEASURED if r.gpu == gpu]
         assert errors[gpu] == pytest.approx(max(abs(predicted_step_s(r) / r.step_s - 1) for r in rows))
-    # today's figures (docs/performance.md 'How far to trust it'): every gpt-1.3b row within 10% (the H200's, the
-    # out-of-sample GPU: the memory-bound passes' rates were measured on the H100); the worst, gpt2-124m ZeRO-1 on the
-    # H100 at -12.7%, is host-bound, and the planner does not price launch gaps
-    assert all(abs(predicted_step_s(r) / r.step_s - 1) < 0.10 for r in MEASURED if r.model == "gpt-1.3b")
-    assert errors["h100-sxm"] < 0.13 and errors["h200"] < 0.10 and errors["a100-80gb"] < 0.15
+    # today's figures (docs/performance.md 'How far to trust it'): every row within 10% (the H200's, the
+    # out-of-sample GPU: the rates were measured on the H100) but gpt2-124m's compiled blocks on the H100 at +10.3%:
+    # the planner prices the eager step and does not know train.compile
+    assert all(abs(predicted_step_s(r) / r.step_s - 1) < 0.10 for r in MEASURED if "compile" not in r.side)
+    assert errors["h100-sxm"] < 0.11 and errors["h200"] < 0.07 and errors["a100-80gb"] < 0.15
     assert step_error("b200") == (max(errors.values()), False)
     assert step_error("h200") == (errors["h200"], True)
 
