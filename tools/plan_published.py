@@ -1,5 +1,6 @@
-"""The planner against published Megatron-LM throughput: predicted vs published per row, and the layout the planner
-picks for each (megatron_lite/plan/published.py has the sources and the systems).
+"""The planner against published throughput: Megatron-LM's A100 runs (predicted vs published per row, and the layout
+the planner picks for each; megatron_lite/plan/published.py has the sources and the systems), and MosaicML's H100
+runs of fully sharded data parallelism (plan/published_fsdp.py), priced at the H100's measured rates.
 
     python tools/plan_published.py --out bench/results/plan_published.md     # about 3 minutes on one core
 """
@@ -45,10 +46,35 @@ def main(argv=None) -> None:
             f"`{r['picked']}` | {r['picked_s']:.2f} | {r['picked_gib']:.1f} |"
         )
         print(lines[-1], flush=True)
+    lines += fsdp_lines()
     text = "\n".join(lines) + "\n"
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+
+
+def fsdp_lines() -> list[str]:
+    """The MosaicML H100 FSDP rows: their layouts (ZeRO-3 over every GPU), tokens/s per GPU published and predicted."""
+    from megatron_lite.plan.published_fsdp import MOSAIC_H100, SOURCE, fsdp_row
+
+    lines = [
+        "",
+        f"## {SOURCE}",
+        "",
+        "Their layouts priced with the H100's measured GEMM and attention rates (plan/hardware.py) and full overlap of "
+        "the ZeRO-3 collectives with compute: the planner's view of a 2025 software stack, not of theirs (2023).",
+        "",
+        "| model | GPUs | their layout | tokens/s/GPU published | predicted | error | fits |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in MOSAIC_H100:
+        r = fsdp_row(run)
+        lines.append(
+            f"| {r['model']} | {r['gpus']} | `{r['layout']}` | {r['published']:,.0f} | {r['predicted']:,.0f} | "
+            f"{100 * r['error']:+.1f}% | {r['fits']} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
 
 
 if __name__ == "__main__":

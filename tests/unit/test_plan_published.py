@@ -31,3 +31,25 @@ def test_picked_layout_is_at_least_as_fast_as_the_papers(run):
     r = row(run)
     assert r["ours_at_theirs_fits"], r
     assert r["picked_s"] <= r["ours_at_theirs_s"] * (1 + 1e-9), r
+
+
+def test_mpt_rows_have_the_published_parameter_counts():
+    """plan/published_fsdp.py's model shapes give the table's NumParams at seq 2048 to the parameter (our embedding
+    pads the vocabulary to a multiple; the padded rows are left out)."""
+    from megatron_lite.model.gpt import GPT, padded_vocab_size
+    from megatron_lite.plan.published_fsdp import MOSAIC_H100
+
+    published = {  # llm-foundry's NumParams column at seq 2048
+        "760m": 760470528,
+        "1b": 1315950592,
+        "3b": 2651837440,
+        "7b": 6658859008,
+        "13b": 12853954560,
+        "30b": 29975214080,
+        "70b": 64862437376,
+    }
+    for name, count in published.items():
+        cfg = next(r for r in MOSAIC_H100 if r.model_name == name).model
+        model = GPT(cfg, device="meta")
+        padding = (padded_vocab_size(cfg) - cfg.vocab_size) * cfg.d_model
+        assert sum(p.numel() for p in model.parameters()) - padding == count, name
