@@ -123,11 +123,12 @@ class Link:
         tree = 2 * nbytes / self.bandwidth + 2 * math.log2(n) * self.latency
         return min(ring, tree)
 
-    def gather(self, nbytes: float, n: int) -> float:
-        """all-gather, reduce-scatter or all-to-all of a tensor of nbytes in all (the gathered size)."""
+    def gather(self, nbytes: float, n: int, calls: int = 1) -> float:
+        """all-gather, reduce-scatter or all-to-all of nbytes in all (the gathered size), in `calls` collectives
+        (each pays the ring's latency)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
+        return (n - 1) / n * nbytes / self.bandwidth + calls * (n - 1) * self.latency
 
     def p2p(self, nbytes: float) -> float:
         return nbytes / self.bandwidth + self.latency if nbytes > 0 else 0.0

@@ -22,7 +22,11 @@ Assumptions, each a choice a reader can disagree with:
     ZeRO-2 all-reduces every micro-batch's gradients during its backward, ZeRO-3 reduce-scatters them and gathers
     bf16 parameters before each forward and backward: overlapped with that micro-batch's compute (DeepSpeed's
     overlap_comm), exposed only where the collective is longer; ZeRO 1-3 all-gather the updated bf16 parameters
-    after the step (the volumes tools/bench_comm.py measured).
+    after the step (the volumes tools/bench_comm.py measured). ZeRO-3 as DeepSpeed 0.19 runs it at its defaults:
+    one all-gather per fetched module (a layer's 4 linears, the embedding and the head) each forward, and in backward
+    again only for what its 1e9-element live window (stage3_max_live_parameters, max_reuse_distance) released, the
+    parameters past 1e9 (measured on CPU: one gather a step below it, as plan/states.py prices the memory); one
+    reduce-scatter per 5e7-element reduce bucket; each collective pays the ring's latency.
   - The optimizer step is HBM-bound: AdamW reads gradient, master weight and two moments and writes three of
     them plus the bf16 copy where there is one (28 or 30 bytes per parameter of the local partition), at 0.78 of the
     bandwidth for this trainer; ZeRO-0 adds its gradient-norm pass (4 bytes), and in bf16 autocast's weight and
@@ -49,8 +53,10 @@ from megatron_lite.pipeline.schedules import build_schedule, v_shaped
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
 from megatron_lite.plan.activations import head_vocab
 from megatron_lite.plan.hardware import Cluster
+from megatron_lite.plan.states import MAX_LIVE
 
 PCIE_BPS = 25e9
+REDUCE_BUCKET = 50_000_000  # elements: ZeRO's reduce_bucket_size (engine/ds_config.py)
 CPU_ADAM_PARAMS_PER_S = 1e9
 SIMULATE_UP_TO = 512  # pp * vpp * m: schedules the simulator runs; larger ones take its closed form
 
@@ -322,12 +328,16 @@ class StepModel:
         gather = link.gather(P * self.act, n) if lay.zero_stage in (1, 2) and self.system.gathers_params else 0.0
         if lay.zero_stage in self.system.dp_overlap_stages:
             # DeepSpeed 0.19: ZeRO-2 all-reduces each bucket, ZeRO-3 reduce-scatters (half the bytes) and gathers
-            # the parameters for forward and backward (tools/bench_comm.py counts both); with hpZ the backward's
-            # gather is within its group, from the secondary shards
-            backward_gather = (
-                self.hpz_link.gather(P * self.act, lay.hpz) if lay.hpz > 1 else link.gather(P * self.act, n)
-            )
-            per_micro = reduce if lay.zero_stage == 2 else reduce / 2 + link.gather(P * self.act, n) + backward_gather
+            # the parameters for forward, and for backward what its live window released (tools/bench_comm.py
+            # counts both); with hpZ the backward's gather is within its group, from the secondary shards
+            modules = 4 * self.cfg.n_layers // lay.pp + 2  # fetched modules of a pipeline rank: one gather each
+            regather = max(0, P - MAX_LIVE)
+            back_calls = -(-modules * regather // P) if regather else 0
+            gather_link, gather_n = (self.hpz_link, lay.hpz) if lay.hpz > 1 else (link, n)
+            backward_gather = gather_link.gather(regather * self.act, gather_n, back_calls)
+            scatter = link.gather(P * self.system.reduce_bytes, n, -(-P // REDUCE_BUCKET))
+            forward_gather = link.gather(P * self.act, n, modules)
+            per_micro = reduce if lay.zero_stage == 2 else scatter + forward_gather + backward_gather
             exposed = m * max(0.0, per_micro - backward_s)
         else:
             exposed = reduce

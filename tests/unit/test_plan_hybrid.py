@@ -12,6 +12,7 @@ from megatron_lite.cli import load
 from megatron_lite.layout import Layout
 from megatron_lite.plan import cluster_from_config, predict
 from megatron_lite.plan.params import rank_params
+from megatron_lite.plan.states import MAX_LIVE
 
 # Nodes joined at 100 Gb/s, one micro-batch of 2048 tokens: ZeRO-3's gathers across nodes outlast a backward
 BASE = [
@@ -53,7 +54,21 @@ def test_hpz_gathers_for_backward_inside_the_node():
     assert hpz.ranks[0].states == plain.ranks[0].states  # 1.3B parameters: DeepSpeed releases none (states.py)
     params = rank_params(cfg.model, 1, 1, 1, 0).numel
     cluster = cluster_from_config(cfg.cluster, 16)
-    saved = cluster.link(16, 1).gather(params * 2, 16) - cluster.link(8, 1).gather(params * 2, 8)
-    # the backward's gather, once per micro-batch, no longer crosses nodes (exposed in both: both outlast a backward)
-    assert saved > 0 and hpz.step.dp_s > 0
+    # DeepSpeed re-gathers in backward only what its 1e9-element live window released: 0.3B of gpt-1.3b's 1.3B,
+    # in as many of the 4 x 24 + 2 module gathers as those elements make up
+    regather = params - MAX_LIVE
+    calls = -(-(4 * 24 + 2) * regather // params)
+    saved = cluster.link(16, 1).gather(regather * 2, 16, calls) - cluster.link(8, 1).gather(regather * 2, 8, calls)
+    # that gather, once per micro-batch, no longer crosses nodes (exposed in both: both outlast a backward)
+    assert 0.2e9 < regather < 0.4e9 and saved > 0 and hpz.step.dp_s > 0
     assert plain.step.dp_s - hpz.step.dp_s == pytest.approx(layout.accumulation * saved, rel=1e-9)
+
+
+def test_zero3_regathers_nothing_in_backward_below_the_live_window():
+    """gpt2-350m (0.35B parameters) stays gathered from its forward to its backward (DeepSpeed's 1e9-element
+    max_live_parameters and reuse distance): hpZ, which only serves the backward's gathers, changes no time."""
+    base = ["model=gpt2-350m", "train.micro_batch_size=1", "train.global_batch_size=32"]
+    _, _, plain = _predicted(16, *base, batch=32)
+    _, _, hpz = _predicted(16, *base, "zero.hpz=8", batch=32)
+    assert plain.step.dp_s > 0  # the forward's gathers across 12.5 GB/s outlast its compute
+    assert plain.step.dp_s == hpz.step.dp_s and plain.step.total_s == hpz.step.total_s
