@@ -10,11 +10,10 @@ The attention mask: query i sees key j when j <= i and both lie in the same docu
     (`varlen_attention`), the micro-batch's windows laid end to end as one packed sequence cut at every document
     start (cu_seqlens), so no work is spent on pairs across documents;
   - elsewhere torch's SDPA with a boolean (b, 1, s, s) block-diagonal causal mask
-    (`parallel.context_parallel.document_mask`). On CPU, at seq
-    1024 with documents of 128 tokens on average (tools/bench_documents.py), it took 1.42-1.44x causal SDPA's
-    time forward + backward (a mask computes every block, causal skips half); one SDPA call per document, the
-    other way, took 1.29-1.61x from run to run (its calls are small), so the mask stays: as fast, steadier, and
-    without reading the boundaries on the host.
+    (`parallel.context_parallel.document_mask`). On CPU, at seq 1024 with documents of 128 tokens on average
+    (tools/bench_documents.py), it took 1.42-1.44x causal SDPA's time forward + backward (a mask computes every
+    block, causal skips half); one SDPA call per document, the other way, took 1.29-1.61x from run to run (its
+    calls are small), so the mask stays: as fast, steadier, and without reading the boundaries on the host.
 """
 
 from __future__ import annotations
