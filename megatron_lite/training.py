@@ -8,6 +8,7 @@ nothing (engine.py); too many in a row end the run (NonFiniteError).
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import platform
@@ -225,10 +226,12 @@ class Trainer:
         dtype = torch.bfloat16 if self.layout.precision == "bf16" else torch.float32
         self.peak, peak_source = peak_flops(ctx.device, dtype)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-        self.fused_core = ctx.device.type == "cuda" or cfg.model.dropout == 0
-        self.model_flops, self.hw_flops = step_flops(
-            cfg.model, self.tokens_per_step, cfg.train.recompute, cfg.train.recompute_every, self.fused_core
+        fused_core = ctx.device.type == "cuda" or cfg.model.dropout == 0
+        t = cfg.train  # a step's (model, hardware) FLOPs; with data.document_mask, of its documents (attended=)
+        self.step_flops = functools.partial(
+            step_flops, cfg.model, self.tokens_per_step, t.recompute, t.recompute_every, fused_core
         )
+        self.model_flops, self.hw_flops = self.step_flops()
         # Each torchrun agent counts its own restarts: with several nodes, one restarted for a membership change
         # (not counted) and one whose worker failed differ, and rank 0's alone said 0 after a real restart.
         self.restarts = _max_over_ranks(restart_count(), ctx)
@@ -436,9 +439,7 @@ class Trainer:
         bubble = _pipeline_bubble(self.engine.last_stats, ctx)
         model_flops, hw_flops = self.model_flops, self.hw_flops
         if outcome.attended is not None:  # data.document_mask: attention within documents only
-            t = cfg.train
-            flops_args = (t.recompute, t.recompute_every, self.fused_core)
-            model_flops, hw_flops = step_flops(cfg.model, self.tokens_per_step, *flops_args, outcome.attended)
+            model_flops, hw_flops = self.step_flops(attended=outcome.attended)
         record = {
             "step": step,
             "loss": outcome.loss,

@@ -55,7 +55,6 @@ class StepOutcome:
     loss: float  # the step's mean loss over the global batch (same on every rank)
     grad_norm: float  # before clipping; inf or nan on a skipped step
     skipped: bool  # the loss or the gradient norm was not finite: no update happened on any rank
-    predicted: int | None = None  # data.document_mask: labels the global batch predicts (the loss's denominator)
     attended: int | None = None  # data.document_mask: sum over its documents of length squared (MFU's attention)
 
 
@@ -158,7 +157,7 @@ class Engine:
         (micro-batch j of DP rank r is j·dp + r, the sampler's order), so they do not depend on the layout."""
         assert len(micro_batches) == self.accum, (len(micro_batches), self.accum)
         counts = documents.normalise(micro_batches, self.ctx)  # data.document_mask: the loss's denominator
-        predicted, attended = counts if counts is not None else (None, None)
+        attended = counts[1] if counts is not None else None
         dp, dp_rank = self.ctx.dp_size, self.ctx.dp_rank
         rng_keys = [(step, j * dp + dp_rank) for j in range(len(micro_batches))]
         if not self.model.training:  # (eval_loss switches back; walking every module each step cost 0.5 ms)
@@ -188,7 +187,7 @@ class Engine:
             self.ds_engine.step()
             grad_norm = float(self.ds_engine.get_global_grad_norm())
             loss = loss.item() / self.ctx.dp_size
-            return StepOutcome(loss, grad_norm, not math.isfinite(grad_norm), predicted, attended)
+            return StepOutcome(loss, grad_norm, not math.isfinite(grad_norm), attended)
         if self.ctx.dp_size * self.ctx.cp_size > 1:  # one replica: the average is the gradient itself
             # DP average (and cp sum) of .grad, as DeepSpeed's boundary would do. It flattens every
             # gradient into one buffer, scales it and copies it back: 3 passes over them, 8 ms a step at
@@ -199,7 +198,7 @@ class Engine:
         loss, grad_norm = torch.stack([loss.double(), grad_norm]).tolist()  # the step's one wait for the device
         loss /= self.ctx.dp_size
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        return StepOutcome(loss, grad_norm, not finite, predicted, attended)
+        return StepOutcome(loss, grad_norm, not finite, attended)
 
     def dp_mean(self, value: torch.Tensor) -> float:
         """Mean over the data-parallel replicas of a per-replica scalar of which each cp rank holds a share

@@ -16,7 +16,8 @@ V = vocab_size (the true vocabulary, not the padded embedding), one token costs 
 appendix). Causal attention is counted at exactly half of the full s x s score matrix (s/2 keys per
 query, as Megatron-LM's causal count and MaxText do), not the (s+1)/2 of the lower triangle including
 the diagonal. With data.document_mask a query attends only within its document, so a step's attention counts
-sum over its documents of length² instead of windows x s² (`step_flops(attended=...)`). Not counted: embedding lookups, norms, softmax, RoPE, biases and other element-wise work.
+sum over its documents of length² instead of windows x s² (`step_flops(attended=...)`). Not counted: embedding
+lookups, norms, softmax, RoPE, biases and other element-wise work.
 HFU adds the forward work that activation recomputation repeats in backward: each recomputed layer but
 its last GEMM for `full`, the attention core for `selective` (recompute_flops_per_token says exactly what
 torch reruns); the LM head is never recomputed.

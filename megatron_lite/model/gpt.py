@@ -164,7 +164,7 @@ class Attention(nn.Module):
             return varlen_attention(q, k, v, docs)
         mask = None if docs is None else document_mask(docs.segments, docs.segments)
         causal = mask is None
-        if not self.training or self.dropout == 0.0:
+        if dropout == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         with keyed_default_rng(cp_key((*key, "attn_probs"), self.cp_rank), self.tp_rank, q.device):
             return F.scaled_dot_product_attention(

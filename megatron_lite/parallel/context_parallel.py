@@ -351,11 +351,9 @@ def ring_forward(q, k, v, call: RingCall):
                 )
             o, o_lse = outs[qi][:, :, rows], lses[qi][:, :, rows]
             merged = torch.logaddexp(o_lse, block_lse)
-            if call.segments is not None:  # rows that have seen no key yet: -inf on both sides, weights 0
-                merged_or_0 = torch.where(torch.isfinite(merged), merged, 0.0)
-                o.mul_(torch.exp(o_lse - merged_or_0)).add_(block_out * torch.exp(block_lse - merged_or_0))
-            else:
-                o.mul_(torch.exp(o_lse - merged)).add_(block_out * torch.exp(block_lse - merged))
+            # a row that has seen no key yet (documents only) is -inf on both sides: weigh both by 0, not nan
+            finite = torch.where(torch.isfinite(merged), merged, 0.0)
+            o.mul_(torch.exp(o_lse - finite)).add_(block_out * torch.exp(block_lse - finite))
             o_lse.copy_(merged)
         if pending is not None:
             kv = ring.wait(pending)

@@ -42,7 +42,7 @@ then cp, dp, pp (parallel/context.py), so a group of n ranks with stride `stride
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 2**30
 
@@ -63,7 +63,7 @@ class Rates:
 H100_RATES = Rates(0.823, 8.2e-6, 0.285, 33e-6, "H100 kernel times of gpt2-124m and gpt-1.3b")
 H200_RATES = Rates(0.822, 8.2e-6, 0.292, 33e-6, "H200 kernel times of gpt-1.3b, the H100's per-call costs")
 A100_RATES = Rates(0.65, 0.0, 0.65, 0.0, "fitted to Megatron-LM's published A100 runs")
-B200_RATES = Rates(0.823, 8.2e-6, 0.285, 33e-6, "none: the H100's")
+B200_RATES = replace(H100_RATES, measured="none: the H100's")
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,9 @@ GPUS: dict[str, GPU] = {
         GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12, H100_RATES),
         # "141 GB" sold; the driver reports 143,771 MiB
         GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12, H200_RATES),
-        GPU(
-            "b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES
-        ),  # "180 GB" sold; the driver reports 183,359 MiB;
-        # fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's Blackwell datasheet (not in flops.PEAK_TABLE: probed there)
+        # "180 GB" sold; the driver reports 183,359 MiB; fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's
+        # Blackwell datasheet (not in flops.PEAK_TABLE: probed there)
+        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES),
     )
 }
 

@@ -175,6 +175,8 @@ class StepModel:
         rates = cluster.rates
         self.gemm_per_s, self.gemm_call_s = peak * rates.gemm, rates.gemm_call_s
         self.attention_per_s, self.attention_call_s = peak * rates.attention, rates.attention_call_s
+        # one layer's forward FLOPs per token: its GEMMs, and its attention core (halved when causal and fused)
+        self.dense_flops, self.core_flops = layer_flops_per_token(cfg, cfg.seq_len, causal=system.flash_attention)
         self.hbm = cluster.gpu.hbm_GBps * 1e9 * system.elementwise_bw  # what the element-wise passes reach
         self.hbm_optimizer = cluster.gpu.hbm_GBps * 1e9 * system.optimizer_bw
         self.hbm_casts = cluster.gpu.hbm_GBps * 1e9 * system.cast_bw
@@ -201,15 +203,13 @@ class StepModel:
 
     def _core_forward_s(self) -> float:
         """This rank's attention core of one layer for one micro-batch, forward."""
-        core = layer_flops_per_token(self.cfg, self.cfg.seq_len, causal=self.system.flash_attention)[1]
-        return self._attention(self.T * core / self.lay.tp)
+        return self._attention(self.T * self.core_flops / self.lay.tp)
 
     def _layer_forward(self) -> _Work:
         cfg, lay, act, T = self.cfg, self.lay, self.act, self.T
         tp, h = lay.tp, cfg.d_model
-        dense, core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)
         core_s = self._core_forward_s()
-        compute = self._gemms(T * dense / tp, 4) + core_s
+        compute = self._gemms(T * self.dense_flops / tp, 4) + core_s
         a, k, f = cfg.n_heads // tp, cfg.kv_heads // tp, cfg.ffn // tp
         residual_tokens = T / tp if lay.sp else T
         elems = residual_tokens * 10 * h  # 2 norms (read, write), 2 residual adds with dropout (read 2, write 1)
@@ -241,8 +241,8 @@ class StepModel:
         collectives once more, plus the SP re-gathers; CP: the K/V hops again plus fp32 dK/dV hops. A recomputed
         layer repeats its forward."""
         lay, cfg = self.lay, self.cfg
-        dense, core = layer_flops_per_token(cfg, cfg.seq_len, causal=self.system.flash_attention)
-        compute = self._gemms(2 * self.T * dense / lay.tp, 8) + self._attention(2 * self.T * core / lay.tp)
+        compute = self._gemms(2 * self.T * self.dense_flops / lay.tp, 8)
+        compute += self._attention(2 * self.T * self.core_flops / lay.tp)
         tensor = self.T * cfg.d_model * self.act
         if lay.sp:
             extra = 2 * self.tp_link.gather(tensor, lay.tp) if self.system.regather_sp else 0.0
