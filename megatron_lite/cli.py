@@ -203,7 +203,7 @@ def _plan(overrides: list[str], json_path: str | None) -> int:
     cfg.train.micro_batch_size = cfg.train.global_batch_size
     validate(cfg, 1)
     cluster = cluster_from_config(cfg.cluster)
-    space = Space(pinned=pinned, precision=resolve_precision(cfg.train.precision, cuda=True))
+    space = Space(pinned=pinned, precision=resolve_precision(cfg.train.precision, cuda=True), fp8=cfg.train.fp8)
     found = search(cfg.model, cfg.train.global_batch_size, cluster, space=space)
     if json_path:
         write_json(json_path, found, step_error(cluster.gpu.name)[0])

@@ -49,6 +49,7 @@ class Layout:
     precision: str | None = None  # as resolved: fp32 or bf16 (None: a checkpoint older than the bf16 fixes)
     recompute: str = "none"
     recompute_every: int = 1
+    fp8: str = "none"  # train.fp8: the blocks' projections in float8 (none, tensorwise or rowwise)
     global_batch_size: int = 0
     micro_batch_size: int = 0
 
@@ -75,6 +76,7 @@ class Layout:
             precision=resolve_precision(t.precision, cuda),
             recompute=t.recompute,
             recompute_every=t.recompute_every,
+            fp8=t.fp8,
             global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size,
         )
@@ -85,7 +87,16 @@ class Layout:
         saved, train = meta["layout"], meta.get("config", {}).get("train", {})
         known = {
             k: saved[k]
-            for k in ("sp", "offload_optimizer", "offload_param", "hpz", "shard_size", "recompute", "recompute_every")
+            for k in (
+                "sp",
+                "offload_optimizer",
+                "offload_param",
+                "hpz",
+                "shard_size",
+                "recompute",
+                "recompute_every",
+                "fp8",
+            )
             if k in saved
         }
         return cls(
@@ -241,4 +252,6 @@ class Layout:
             out.append(f"train.recompute={self.recompute}")
             if self.recompute == "full" and self.recompute_every > 1:
                 out.append(f"train.recompute_every={self.recompute_every}")
+        if self.fp8 != "none":
+            out.append(f"train.fp8={self.fp8}")
         return out

@@ -268,9 +268,16 @@ class Trainer:
         del weights
         model.set_recompute(cfg.train.recompute, cfg.train.recompute_every)
         model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
+        self.fp8_projections = len(model.set_fp8(cfg.train.fp8, ctx.device.type))
         if cfg.train.compile:
             model.compile_blocks()
         return Engine(model, ctx, self.layout, ds_config, model_cfg=cfg.model, train=cfg.train)
+
+    def _fp8_said(self) -> str:
+        if self.cfg.train.fp8 == "none":
+            return ""
+        emulated = ", emulated" if self.ctx.device.type != "cuda" else ""
+        return f", fp8 {self.cfg.train.fp8} ({self.fp8_projections} projections{emulated})"
 
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -338,8 +345,8 @@ class Trainer:
         say(
             f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
             f"{ctx.pp_size}{pipeline}), zero {cfg.zero.stage}, {dtype}, accumulation {self.engine.accum}, kernels "
-            f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}; peak {self.peak / 1e12:.2f} TFLOP/s per "
-            f"device ({peak_source})"
+            f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}{self._fp8_said()}; peak "
+            f"{self.peak / 1e12:.2f} TFLOP/s per device ({peak_source})"
         )
         paths = data_paths(cfg.data.path)
         shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)

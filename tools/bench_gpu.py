@@ -4,7 +4,8 @@
     python tools/bench_gpu.py --quick         # smaller shapes and fewer steps, to check the tool
 
 In one run, on the first CUDA device, with nothing fetched from the network:
-1. the device's two ceilings, measured: device-to-device copy bandwidth and a bf16 8192^3 matmul;
+1. the device's ceilings, measured: device-to-device copy bandwidth, a bf16 8192^3 matmul and, on a GPU with
+   float8 (compute capability 8.9+), the same matmul in e4m3 through torch._scaled_mm;
 2. `tests/gpu` and the CUDA cases of the kernel unit tests (pytest, pass/fail counts);
 3. `tools/bench_kernels.py` (every fused kernel against torch eager and torch.compile);
 4. training throughput, bf16, one GPU, for gpt2-124m (b 8, s 1024) and gpt-1.3b (b 4, s 2048), each side by
@@ -13,7 +14,10 @@ In one run, on the first CUDA device, with nothing fetched from the network:
      weights under bf16 autocast, as the baselines): ours-auto as configured by default (kernels.backend=auto),
      ours-torch and ours-triton with every op on one backend, ours-compile with train.compile=true, ours-zero1
      with zero.stage=1, where DeepSpeed holds bf16 weights (fp32 master copy and gradient accumulation) and
-     the whole step runs in bf16 with no per-step weight casts, and ours-zero1-compile;
+     the whole step runs in bf16 with no per-step weight casts, and ours-zero1-compile; ours-fp8 and
+     ours-fp8-compile with train.fp8=rowwise (torchao's float8 matmuls in the blocks' projections; MFU still
+     over the bf16 peak, as torchtitan counts it), and with `--models llama-3b --sides` FP8_SIDES, float8
+     against bf16 on a Llama-3.2-3B shape (b 2, s 2048: 55 GiB predicted on an H100), eager and compiled;
    - hf: transformers' GPT2LMHeadModel, SDPA attention, fp32 weights under bf16 autocast, torch AdamW (fused);
    - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
      autocast, fused AdamW), torch.compile'd: the loop users compare with;
@@ -61,7 +65,9 @@ from tools.gpu_report import markdown  # noqa: E402
 MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names; gpt-1.3b, the MFU target, first
     "gpt-1.3b": (4, 2048),
     "gpt2-124m": (8, 1024),
+    "llama-3b": (2, 2048),  # float8's larger model (issue 55): run with --models llama-3b --sides FP8_SIDES
 }
+DEFAULT_MODELS = ("gpt-1.3b", "gpt2-124m")
 # ours-<parts>: auto (the default), torch or triton kernels, compile (train.compile=true), zero1 (zero.stage=1), in
 # any combination; ours-auto is the trainer as `train.py` runs it by default. The baselines come right after it,
 # so that a run cut short by its time budget still has every ratio of what it measured. Not run by default:
@@ -78,7 +84,11 @@ SIDES = (
     "ours-triton",
     "ours-zero1",
     "ours-zero1-compile",
+    "ours-fp8",
+    "ours-fp8-compile",
 )
+# train.fp8 against bf16, eager and compiled, for the larger model: `--models llama-3b --sides` these.
+FP8_SIDES = ("ours-auto", "ours-fp8", "ours-compile", "ours-fp8-compile", "ours-fp8tensorwise-compile")
 BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
 MIN_CASE_S = 30  # a throughput case is not started with less than this left (start-up and warm-up alone)
 
@@ -149,7 +159,8 @@ def side_overrides(preset: str, micro: int, seq: int, side: str) -> tuple[list[s
     glob = global_batch(side, micro)
     parts = {p for p in side.split("-")[1:] if not (p.startswith("global") and p[6:].isdigit())}
     accum = [p for p in parts if p.startswith("accum") and p[5:].isdigit()]
-    assert parts - set(accum) <= {"auto", "torch", "triton", "compile", "zero1", "recast"}, f"unknown side {side}"
+    known = {"auto", "torch", "triton", "compile", "zero1", "recast", "fp8", "fp8tensorwise"}
+    assert parts - set(accum) <= known, f"unknown side {side}"
     m = int(accum[0][5:]) if accum else 1
     assert len(accum) <= 1 and micro % m == 0, f"{side}: {micro} sequences do not split into {m} micro-batches"
     backend = "triton" if "triton" in parts else "torch" if "torch" in parts else "auto"
@@ -164,6 +175,7 @@ def side_overrides(preset: str, micro: int, seq: int, side: str) -> tuple[list[s
         f"kernels.backend={backend}",
         f"train.compile={'true' if 'compile' in parts else 'false'}",
         f"zero.stage={1 if 'zero1' in parts else 0}",
+        f"train.fp8={'rowwise' if 'fp8' in parts else 'tensorwise' if 'fp8tensorwise' in parts else 'none'}",
     ], "recast" in parts
 
 
@@ -187,6 +199,7 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     layout = Layout.of_run(cfg, ctx.world_size)
     model = build_model(cfg, ctx, layout)
     model.set_kernels(resolve_backend(cfg.kernels.backend, ctx.device))
+    model.set_fp8(cfg.train.fp8, ctx.device.type)
     if cfg.train.compile:
         model.compile_blocks()
     engine = Engine(model, ctx, layout, deepspeed_config(cfg, layout), model_cfg=cfg.model, train=cfg.train)
@@ -349,7 +362,8 @@ def run_case(
 
 
 def ceilings() -> dict:
-    """Measured device-to-device copy bandwidth (read + write) and bf16 matmul rate, on random data."""
+    """Measured device-to-device copy bandwidth (read + write), bf16 matmul rate and, where the GPU has float8
+    (compute capability 8.9+), torch._scaled_mm's e4m3 rate with one scale per tensor, on random data."""
     from triton.testing import do_bench
 
     n = 1 << 30  # 1 GiB per buffer
@@ -357,7 +371,13 @@ def ceilings() -> dict:
     copy_ms = do_bench(lambda: b.copy_(a), return_mode="median")
     x, y = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mm_ms = do_bench(lambda: x @ y, return_mode="median")
-    return {"copy_GBps": round(2 * n / copy_ms / 1e6, 1), "matmul_bf16_tflops": round(2 * 8192**3 / mm_ms / 1e9, 1)}
+    out = {"copy_GBps": round(2 * n / copy_ms / 1e6, 1), "matmul_bf16_tflops": round(2 * 8192**3 / mm_ms / 1e9, 1)}
+    if torch.cuda.get_device_capability() >= (8, 9):
+        x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major B
+        one = torch.ones((), device="cuda")
+        fp8_ms = do_bench(lambda: torch._scaled_mm(x8, y8, one, one, out_dtype=torch.bfloat16), return_mode="median")
+        out["matmul_fp8_tflops"] = round(2 * 8192**3 / fp8_ms / 1e9, 1)
+    return out
 
 
 def run_pytest(out_dir: str, quick: bool, timeout: float) -> dict:
@@ -493,7 +513,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="short shapes and few steps (checks the tool)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: tests,kernels,throughput,tune,documents")
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write a torch.profiler table per case")
     ap.add_argument(

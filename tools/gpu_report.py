@@ -12,8 +12,9 @@ def markdown(record: dict) -> str:
         f"Written by `tools/bench_gpu.py`.",
         "",
         f"Measured ceilings: copy {c['copy_GBps']:,.0f} GB/s (read + write), bf16 matmul 8192^3 "
-        f"{c['matmul_bf16_tflops']:.0f} TFLOP/s. MFU uses the datasheet dense bf16 peak "
-        f"({record['peak_tflops']:.0f} TFLOP/s).",
+        f"{c['matmul_bf16_tflops']:.0f} TFLOP/s"
+        + (f", float8 (e4m3, _scaled_mm) {c['matmul_fp8_tflops']:.0f} TFLOP/s" if "matmul_fp8_tflops" in c else "")
+        + f". MFU uses the datasheet dense bf16 peak ({record['peak_tflops']:.0f} TFLOP/s), float8 sides too.",
         "",
     ]
     t = record["tests"]

@@ -50,6 +50,7 @@ from megatron_lite.model.init import check_full_weights, init_tensor, local_part
 from megatron_lite.model.positions import Rope, WholeSequence, apply_rope, rope_cos_sin
 from megatron_lite.parallel import weight_grad
 from megatron_lite.parallel.context_parallel import document_mask
+from megatron_lite.parallel.fp8 import Float8Matmul, converts
 from megatron_lite.parallel.random import EMBED_LAYER, Key, KeyedDropout, cp_key, keyed_default_rng, recompute
 from megatron_lite.pipeline.partition import ChunkSpec
 
@@ -96,10 +97,13 @@ class Embedding(nn.Embedding):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can leave its bias out, for a kernel that fuses the bias add (GeLU)."""
+    """nn.Linear that can leave its bias out, for a kernel that fuses the bias add (GeLU). fp8: its float8
+    matmul under train.fp8 (GPT.set_fp8), else None."""
+
+    fp8 = None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        return weight_grad.linear(x, self.weight, self.bias if add_bias else None)
+        return weight_grad.linear(x, self.weight, self.bias if add_bias else None, self.fp8)
 
 
 class Attention(nn.Module):
@@ -406,6 +410,23 @@ class GPT(nn.Module):
         ops.preload({m.kernel_backend for m in self.modules() if hasattr(m, "kernel_backend")})
         for block in self.blocks.values():
             block.compute = torch.compile(block.compute)
+
+    def set_fp8(self, recipe: str, device_type: str) -> list[str]:
+        """train.fp8: the blocks' projections (attn.qkv, attn.proj, mlp.fc_in, mlp.fc_out, TP shards included)
+        multiply in float8 through torchao (parallel/fp8.py); `none` turns it off. The embedding and the LM head
+        stay in high precision, as torchtitan and Megatron-LM leave them, and so does a projection whose local
+        weight has a dimension that is not a multiple of 16 (torch._scaled_mm's alignment). Parameters and
+        their names do not change, so checkpoints load with fp8 on or off. Returns the converted names."""
+        fp8 = None if recipe == "none" else Float8Matmul.of(recipe, device_type)
+        converted = []
+        for name, module in self.blocks.named_modules(prefix="blocks"):
+            if "fp8" not in type(module).__dict__:
+                continue
+            shape = getattr(module.weight, "ds_shape", module.weight.shape)  # ZeRO-3: the whole local shard
+            module.fp8 = fp8 if fp8 is not None and converts(shape[1], shape[0]) else None
+            if module.fp8 is not None:
+                converted.append(name)
+        return converted
 
     def set_recompute(self, mode: str, every: int = 1) -> None:
         """train.recompute: `full` keeps only the input of blocks 0, every, 2*every, ... (global layer indices,

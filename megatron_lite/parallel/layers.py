@@ -66,15 +66,20 @@ class _SequenceGatherLinear(torch.autograd.Function):
     Under a zero-bubble schedule (parallel/weight_grad.py) the weight gradients, gather included, wait for W."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group, store, weights, after_b):
+    def forward(ctx, x_shard, weight, bias, group, store, weights, after_b, fp8):
         """store, weights: a split step's WeightGradStore and the weight tensors that weight and bias stand in
         for (parallel/weight_grad.py); store None otherwise. after_b: a recomputed region's, handed over right
-        after its B."""
+        after its B. fp8: the float8 matmul (parallel/fp8.py) under train.fp8 (never in a split step)."""
         ctx.group, ctx.store, ctx.weights, ctx.has_bias = group, store, weights, bias is not None
-        ctx.after_b, ctx.param_dtype = after_b, weight.dtype
+        ctx.after_b, ctx.param_dtype, ctx.fp8 = after_b, weight.dtype, fp8
+        dtype = weight_grad.autocast_dtype(x_shard.device.type)
+        if fp8 is not None:  # torchao casts the weight to float8 from the parameter itself
+            x_shard = x_shard.to(dtype) if dtype is not None else x_shard
+            ctx.save_for_backward(x_shard, weight)
+            y = fp8.forward(_all_gather(x_shard, SEQ_DIM, group), weight)
+            return y + bias.to(y.dtype) if bias is not None else y
         # Under bf16 autocast: the step's bf16 copies of the weights (weight_grad.weight_as), as autocast's
         # own linear would cast them; the gathered input is cast by autocast. Otherwise the weights themselves.
-        dtype = weight_grad.autocast_dtype(x_shard.device.type)
         weight, bias = weight_grad.weight_as(weight, dtype), weight_grad.weight_as(bias, dtype)
         ctx.save_for_backward(x_shard, weight)
         return F.linear(_all_gather(x_shard, SEQ_DIM, group), weight, bias)  # (b, s, out/tp)
@@ -83,6 +88,10 @@ class _SequenceGatherLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
         has_bias = ctx.has_bias
+        if ctx.fp8 is not None:
+            grad_x, grad_w = ctx.fp8.backward(grad_out, _all_gather(x_shard, SEQ_DIM, ctx.group), weight)
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.param_dtype) if has_bias else None
+            return _reduce_scatter(grad_x, SEQ_DIM, ctx.group), grad_w, grad_b, None, None, None, None, None
         # Under bf16 autocast the forward multiplied in bf16 (grad_out's dtype) while x stayed fp32; backward
         # multiplies in the same dtype, as autocast's own linear would (autograd casts the results back to the
         # inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
@@ -95,12 +104,15 @@ class _SequenceGatherLinear(torch.autograd.Function):
         grad_x = _reduce_scatter(grad_x, SEQ_DIM, ctx.group)
         if ctx.store is not None:
             ctx.store.defer(ctx.weights, weight_grads, ctx.after_b)
-            return grad_x, None, None, None, None, None, None
-        return grad_x, *weight_grads(), None, None, None, None
+            return grad_x, None, None, None, None, None, None, None
+        return grad_x, *weight_grads(), None, None, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T + b_r with W split by output rows. Input: replicated (or sequence shards with SP)."""
+    """y_r = x W_r^T + b_r with W split by output rows. Input: replicated (or sequence shards with SP). fp8: its
+    float8 matmul under train.fp8 (GPT.set_fp8), else None."""
+
+    fp8 = None
 
     def __init__(
         self,
@@ -147,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:  # x: (b, s/tp, h) sequence shard
             store = weight_grad.active_store()
             if store is None:
-                return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group, None, None, False)
+                return _SequenceGatherLinear.apply(x, self.weight, bias, self.tp_group, None, None, False, self.fp8)
             return _SequenceGatherLinear.apply(
                 x,
                 weight_grad.stand_in(self.weight),
@@ -156,12 +168,16 @@ class ColumnParallelLinear(nn.Module):
                 store,
                 (self.weight, bias),
                 weight_grad.kept(),
+                None,
             )
-        return weight_grad.linear(copy_to_tp(x, self.tp_group), self.weight, bias)  # (b, s, out/tp)
+        return weight_grad.linear(copy_to_tp(x, self.tp_group), self.weight, bias, self.fp8)  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T + b with W split by input columns. Output: replicated (or sequence shards)."""
+    """y = sum_r x_r W_r^T + b with W split by input columns. Output: replicated (or sequence shards). fp8: as
+    ColumnParallelLinear's."""
+
+    fp8 = None
 
     def __init__(
         self,
@@ -204,7 +220,7 @@ class RowParallelLinear(nn.Module):
         return _load_full(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = weight_grad.linear(x, self.weight)  # (b, s, out) partial sums
+        y = weight_grad.linear(x, self.weight, None, self.fp8)  # (b, s, out) partial sums
         bias = weight_grad.held(self.bias)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.tp_group)  # (b, s/tp, out)

@@ -50,6 +50,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.parallel.fp8 import Float8Matmul
+from megatron_lite.parallel.fp8 import linear as fp8_linear
+
 Key = tuple[int, int]  # (micro-batch, chunk)
 WEIGHT_GRADS = -2  # model.forward(None, chunk=WEIGHT_GRADS): the released W work as a graph output
 
@@ -322,10 +325,15 @@ class _Embedding(torch.autograd.Function):
         return None, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: Float8Matmul | None = None
+) -> torch.Tensor:
     """F.linear; in a split step its weight gradients wait for W. Weight gradients in the parameters' dtype
-    (_linear_now)."""
+    (_linear_now). fp8: the projection's float8 matmul (train.fp8, parallel/fp8.py), never in a split step."""
     store = active_store()
+    if fp8 is not None:
+        assert store is None, "train.fp8 with a zero-bubble schedule (refused in validation)"
+        return fp8_linear(x, weight, bias, fp8)
     if store is None:
         return _linear_now(x, weight, bias)
     if _kept:

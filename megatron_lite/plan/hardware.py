@@ -5,12 +5,12 @@ H200's and B200's memory, which the datasheets give in decimal GB of HBM and whi
 reports it (nvidia-smi; the "141 GB" H200 holds 140.4 GiB, not 131.3); dense (no 2:4 sparsity) bf16 tensor-core peaks, HBM capacity and bandwidth, NVLink bandwidth per direction per GPU, and
 the network a DGX/HGX node of that GPU ships with (one NIC per GPU):
 
-  gpu         memory    bf16 dense    HBM        NVLink / direction    node network (8 NICs)
-  a100-40gb   40 GiB    312 TFLOP/s   1555 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
-  a100-80gb   80 GiB    312 TFLOP/s   2039 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
-  h100-sxm    80 GiB    989 TFLOP/s   3350 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
-  h200        140 GiB   989 TFLOP/s   4800 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
-  b200        179 GiB   2250 TFLOP/s  8000 GB/s  900 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  gpu         memory    bf16 dense    fp8 dense     HBM        NVLink / direction    node network (8 NICs)
+  a100-40gb   40 GiB    312 TFLOP/s   -             1555 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
+  a100-80gb   80 GiB    312 TFLOP/s   -             2039 GB/s  300 GB/s              8 x 200 Gb/s HDR = 200 GB/s
+  h100-sxm    80 GiB    989 TFLOP/s   1979 TFLOP/s  3350 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  h200        140 GiB   989 TFLOP/s   1979 TFLOP/s  4800 GB/s  450 GB/s              8 x 400 Gb/s NDR = 400 GB/s
+  b200        179 GiB   2250 TFLOP/s  4500 TFLOP/s  8000 GB/s  900 GB/s              8 x 400 Gb/s NDR = 400 GB/s
 
 How fast GEMMs and attention run on each class, measured where we could (`Rates`): a GEMM takes its FLOPs at a
 fraction of the bf16 peak plus a fixed cost per call (the ramp-up and the last partial wave of tiles, which small
@@ -57,11 +57,17 @@ class Rates:
     attention: float
     attention_call_s: float
     measured: str
+    gemm_fp8: float = 0.0  # train.fp8's GEMMs: a fraction of the float8 dense peak (0: the class has no float8)
 
 
 # Fitted in the module docstring (profiles of commit f4f137b on the H100, e5adc0e on the H200)
-H100_RATES = Rates(0.823, 8.2e-6, 0.285, 33e-6, "H100 kernel times of gpt2-124m and gpt-1.3b")
-H200_RATES = Rates(0.822, 8.2e-6, 0.292, 33e-6, "H200 kernel times of gpt-1.3b, the H100's per-call costs")
+# float8 GEMMs (train.fp8): 0.70 of the float8 peak, assumed, not yet measured (`make bench-gpu` records the e4m3
+# _scaled_mm rate and the float8 sides' step times for the next fit)
+FP8_GEMM_ASSUMED = 0.70
+H100_RATES = Rates(0.823, 8.2e-6, 0.285, 33e-6, "H100 kernel times of gpt2-124m and gpt-1.3b", FP8_GEMM_ASSUMED)
+H200_RATES = Rates(
+    0.822, 8.2e-6, 0.292, 33e-6, "H200 kernel times of gpt-1.3b, the H100's per-call costs", FP8_GEMM_ASSUMED
+)
 A100_RATES = Rates(0.65, 0.0, 0.65, 0.0, "fitted to Megatron-LM's published A100 runs")
 B200_RATES = replace(H100_RATES, measured="none: the H100's")
 
@@ -77,6 +83,7 @@ class GPU:
     fp32_flops: float  # plain fp32 (CUDA-core) peak, FLOP/s: what fp32 matmuls get, since the trainer leaves
     # TF32 off (torch's default); metrics/flops.PEAK_TABLE's "fp32" column
     rates: Rates = A100_RATES  # GEMM and attention rates (module docstring)
+    fp8_flops: float = 0.0  # dense float8 (e4m3) tensor-core peak, FLOP/s; 0: none (the A100)
 
 
 GPUS: dict[str, GPU] = {
@@ -84,12 +91,12 @@ GPUS: dict[str, GPU] = {
     for g in (
         GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12, A100_RATES),
         GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12, A100_RATES),
-        GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12, H100_RATES),
+        GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12, H100_RATES, 1979e12),
         # "141 GB" sold; the driver reports 143,771 MiB
-        GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12, H200_RATES),
+        GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12, H200_RATES, 1979e12),
         # "180 GB" sold; the driver reports 183,359 MiB; fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's
         # Blackwell datasheet (not in flops.PEAK_TABLE: probed there)
-        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES),
+        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES, 4500e12),
     )
 }
 
@@ -148,7 +155,7 @@ class Cluster:
         """The GEMM and attention rates to price with: the GPU class's, or cluster.achievable for both."""
         if self.achievable is None:
             return self.gpu.rates
-        return Rates(self.achievable, 0.0, self.achievable, 0.0, "cluster.achievable")
+        return Rates(self.achievable, 0.0, self.achievable, 0.0, "cluster.achievable", self.achievable)
 
     @property
     def world_size(self) -> int:

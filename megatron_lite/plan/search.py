@@ -38,6 +38,7 @@ class Space:
     offload: bool = False
     pinned: tuple[tuple[str, object], ...] = ()  # (Layout field, value) pairs every layout must have (--plan key=v)
     precision: str = "bf16"  # what every layout computes in (train.precision as resolved on a GPU), not varied
+    fp8: str = "none"  # train.fp8, not varied
 
     def admits(self, layout: Layout) -> bool:
         return all(getattr(layout, name) == value for name, value in self.pinned)
@@ -127,6 +128,7 @@ def _batched(model, global_batch, tp, sp, cp, mode, pp, vpp, dp, space) -> Itera
                         offload_optimizer=offload,
                         offload_param="none",
                         precision=space.precision,
+                        fp8=space.fp8,
                         recompute=recompute,
                         recompute_every=1,
                         micro_batch_size=micro,
@@ -208,7 +210,7 @@ def fixes(
             layout.global_batch_size,
             world,
             cluster.gpus_per_node,
-            Space(offload=True, precision=layout.precision),
+            Space(offload=True, precision=layout.precision, fp8=layout.fp8),
         )
         if _distance(lay, layout) <= 2
     ]

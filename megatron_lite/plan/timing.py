@@ -36,6 +36,10 @@ Assumptions, each a choice a reader can disagree with:
     the updated fp32 partition into the bf16 one (4 more than the 2 counted above). With the optimizer offloaded, the
     partition's gradients and parameters cross PCIe (25 GB/s each way) and DeepSpeed's CPU Adam updates about
     1e9 parameters/s per GPU's share of the host (ZeRO-Offload, Ren et al. 2021, reports that order).
+  - train.fp8: the blocks' GEMMs at the GPU class's float8 rate (Rates.gemm_fp8 of the float8 peak; assumed
+    0.70 until a GPU measures it), the head's in bf16; torchao's dynamic casts as HBM passes (_fp8_casts).
+    Memory is bf16's: dynamic scaling keeps no amax history or scale buffers, and its matmul saves the same
+    high-precision inputs for backward (parallel/fp8.py); only one projection's float8 copies exist at a time.
 Not modelled: kernel launch overheads, data loading, stragglers, network contention between axes, the tied
 embedding's gradient all-reduce between the first and last stage (one (V/tp) x h tensor per step).
 """
@@ -46,6 +50,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.layout import Layout
 from megatron_lite.metrics.flops import layer_flops_per_token
 from megatron_lite.pipeline.partition import stage_layers, virtual_stage
@@ -174,6 +179,15 @@ class StepModel:
         peak = cluster.gpu.bf16_flops if bf16 else cluster.gpu.fp32_flops
         rates = cluster.rates
         self.gemm_per_s, self.gemm_call_s = peak * rates.gemm, rates.gemm_call_s
+        # train.fp8: the blocks' GEMMs at the class's float8 rate (the head's stay bf16), plus torchao's casts
+        self.layer_gemm_per_s = self.gemm_per_s
+        if layout.fp8 != "none":
+            if cluster.gpu.fp8_flops == 0:
+                raise ConfigError(
+                    f"train.fp8={layout.fp8} cannot run on cluster.gpu={cluster.gpu.name}, which has no float8 "
+                    "tensor cores; use train.fp8=none, or an H100, H200 or B200"
+                )
+            self.layer_gemm_per_s = cluster.gpu.fp8_flops * rates.gemm_fp8
         self.attention_per_s, self.attention_call_s = peak * rates.attention, rates.attention_call_s
         # one layer's forward FLOPs per token: its GEMMs, and its attention core (halved when causal and fused)
         self.dense_flops, self.core_flops = layer_flops_per_token(cfg, cfg.seq_len, causal=system.flash_attention)
@@ -194,8 +208,26 @@ class StepModel:
 
     # --- one layer ---
 
-    def _gemms(self, flops: float, calls: int) -> float:
-        return flops / self.gemm_per_s + calls * self.gemm_call_s
+    def _gemms(self, flops: float, calls: int, per_s: float | None = None) -> float:
+        return flops / (per_s or self.gemm_per_s) + calls * self.gemm_call_s
+
+    def _fp8_casts(self) -> tuple[float, float]:
+        """Elements torchao's float8 casts of one layer's four projections move, forward and backward, in bytes
+        (module docstring): each cast reads its high-precision tensor twice (the amax, then the cast) and writes
+        one byte an element; forward casts every input and weight, backward the output gradients twice (one per
+        GEMM), the inputs again (for the weight gradient) and the weights again (for the input gradient)."""
+        if self.lay.fp8 == "none":
+            return 0.0, 0.0
+        cfg, lay, T = self.cfg, self.lay, self.T
+        h, f = cfg.d_model, cfg.ffn // lay.tp
+        q, kv = cfg.n_heads // lay.tp * cfg.head_dim, cfg.kv_heads // lay.tp * cfg.head_dim
+        up = f * (2 if cfg.activation == "swiglu" else 1)
+        inputs = T * (h + q + h + f)  # qkv, proj, fc_in, fc_out
+        grads = T * ((q + 2 * kv) + h + up + h)
+        weights = h * (q + 2 * kv) + q * h + h * up + f * h
+        w_bytes = 4 if lay.zero_stage == 0 else self.act  # ZeRO-0 keeps fp32 weights, ZeRO 1-3 bf16 ones
+        per_act, per_weight = 2 * self.act + 1, 2 * w_bytes + 1
+        return (inputs * per_act + weights * per_weight, (2 * grads + inputs) * per_act + weights * per_weight)
 
     def _attention(self, flops: float) -> float:
         """One attention call (a forward, or a backward of twice the forward's FLOPs)."""
@@ -209,7 +241,7 @@ class StepModel:
         cfg, lay, act, T = self.cfg, self.lay, self.act, self.T
         tp, h = lay.tp, cfg.d_model
         core_s = self._core_forward_s()
-        compute = self._gemms(T * self.dense_flops / tp, 4) + core_s
+        compute = self._gemms(T * self.dense_flops / tp, 4, self.layer_gemm_per_s) + core_s
         a, k, f = cfg.n_heads // tp, cfg.kv_heads // tp, cfg.ffn // tp
         residual_tokens = T / tp if lay.sp else T
         elems = residual_tokens * 10 * h  # 2 norms (read, write), 2 residual adds with dropout (read 2, write 1)
@@ -218,7 +250,7 @@ class StepModel:
             elems += T * 2 * (a + k) * cfg.head_dim
         if not self.system.flash_attention:  # scores written, softmax and dropout read and write them
             elems += T * a * cfg.seq_len * 5
-        memory = elems * act / self.hbm
+        memory = (elems * act + self._fp8_casts()[0]) / self.hbm
         tensor = T * h * act  # (b, s/cp, h)
         if lay.sp:
             tp_s = 2 * self.tp_link.gather(tensor, tp) * 2  # 2 all-gathers + 2 reduce-scatters
@@ -241,7 +273,7 @@ class StepModel:
         collectives once more, plus the SP re-gathers; CP: the K/V hops again plus fp32 dK/dV hops. A recomputed
         layer repeats its forward."""
         lay, cfg = self.lay, self.cfg
-        compute = self._gemms(2 * self.T * self.dense_flops / lay.tp, 8)
+        compute = self._gemms(2 * self.T * self.dense_flops / lay.tp, 8, self.layer_gemm_per_s)
         compute += self._attention(2 * self.T * self.core_flops / lay.tp)
         tensor = self.T * cfg.d_model * self.act
         if lay.sp:
@@ -257,7 +289,8 @@ class StepModel:
                 k, d = cfg.kv_heads // lay.tp, cfg.head_dim
                 hop = self.cp_link.p2p(2 * self.T * k * d * (self.act + 4))
                 cp_s = (lay.cp - 1) * max(0.0, hop - 2 * self._core_forward_s() / lay.cp)
-        work = _Work(compute, 2 * forward.memory, tp_s, cp_s)
+        fwd_casts, bwd_casts = self._fp8_casts()
+        work = _Work(compute, 2 * (forward.memory - fwd_casts / self.hbm) + bwd_casts / self.hbm, tp_s, cp_s)
         if recomputed:  # torch's early stop skips fc_out's GEMM; a rounding next to the layer's cost
             work = work + forward
         elif lay.recompute == "selective":

@@ -19,6 +19,7 @@ from megatron_lite.validation.cluster import check_cluster
 from megatron_lite.validation.data import check_data
 from megatron_lite.validation.model import check_model
 from megatron_lite.validation.parallel import check_context_parallel, check_grid, check_pipeline
+from megatron_lite.validation.rules import has_gpu
 from megatron_lite.validation.run import check_faults, check_run
 from megatron_lite.validation.train import check_optim, check_train
 from megatron_lite.validation.zero import check_hpz, check_offload_support, check_shard_size, check_zero
@@ -58,6 +59,11 @@ def notes(cfg: Config) -> list[str]:
     if t.recompute_every != 1 and t.recompute != "full":
         out.append(
             f"train.recompute_every={t.recompute_every} does nothing without train.recompute=full (it is {t.recompute})"
+        )
+    if t.fp8 != "none" and not has_gpu():
+        out.append(
+            f"train.fp8={t.fp8} on a CPU runs torchao's emulation of float8 matmuls: float8's numerics at fp32's "
+            "speed, for tests"
         )
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")

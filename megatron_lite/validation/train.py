@@ -1,12 +1,16 @@
-"""train.*, dist.* and optim.*: batch and steps, precision, recompute, evaluation, profiling, timeouts, and the
-optimizer and its schedule."""
+"""train.*, dist.* and optim.*: batch and steps, precision, recompute, float8, evaluation, profiling, timeouts,
+and the optimizer and its schedule."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from megatron_lite.config import Config, OptimConfig
-from megatron_lite.validation.rules import choice, fail, positive
+from megatron_lite.layout import resolve_precision
+from megatron_lite.parallel.fp8 import CHOICES
+from megatron_lite.pipeline.schedules import SPLIT_BACKWARD
+from megatron_lite.validation.rules import choice, fail, has_gpu, positive
 
 
 def check_train(cfg: Config, world_size: int, dp: int) -> None:
@@ -39,6 +43,7 @@ def check_train(cfg: Config, world_size: int, dp: int) -> None:
             "module hooks that a compiled block would trace through)",
             "use zero.stage=1 or 2, or train.compile=false",
         )
+    check_fp8(cfg)
     if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):  # nan compared false: clipping silently off
         fail("train.grad_clip", t.grad_clip, "must be a finite number >= 0", "use 1.0, or 0 to disable clipping")
     if t.eval_interval < 0 or t.eval_iters <= 0:
@@ -65,6 +70,43 @@ def check_train(cfg: Config, world_size: int, dp: int) -> None:
             f"must name ranks of the {world_size} in this run",
             "use e.g. [0]" + (f" or [0,{world_size - 1}]" if world_size > 1 else ""),
         )
+
+
+def check_fp8(cfg: Config) -> None:
+    """train.fp8: a recipe torchao has, installed, a GPU that multiplies float8 (or a CPU, which emulates it),
+    and no schedule that defers weight gradients."""
+    recipe = cfg.train.fp8
+    choice("train.fp8", recipe, CHOICES)
+    if recipe == "none":
+        return
+    if importlib.util.find_spec("torchao") is None:
+        fail("train.fp8", recipe, "needs torchao (torchao.float8), which is not installed", "run `make install`")
+    if cfg.parallel.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD:
+        fail(
+            "train.fp8",
+            recipe,
+            f"does not compose with parallel.schedule={cfg.parallel.schedule} (torchao's float8 backward makes the "
+            "input and weight gradients in one call, so W cannot wait)",
+            "use parallel.schedule=1f1b or interleaved, or train.fp8=none",
+        )
+    if has_gpu():
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            fail(
+                "train.fp8",
+                recipe,
+                f"needs a GPU of compute capability 8.9 or newer (H100, L40S); this one is {capability[0]}.{capability[1]}",
+                "use train.fp8=none",
+            )
+        if recipe == "rowwise" and resolve_precision(cfg.train.precision) == "fp32":
+            fail(
+                "train.fp8",
+                recipe,
+                "needs bf16 on a GPU (torch._scaled_mm's rowwise scaling writes bf16), not train.precision=fp32",
+                "use train.precision=bf16 (or auto), or train.fp8=tensorwise",
+            )
 
 
 def check_optim(o: OptimConfig) -> None:

@@ -197,3 +197,14 @@ def test_each_of_our_sides_is_priced_by_the_planner_as_plan_measured_prices_its_
     row = dict(record["throughput"][0], predicted_step_s=0.1379, predicted_error=-0.1873)
     text = gpu_report.markdown(dict(record, throughput=[row]))
     assert "| 137.9, -18.7% |" in text, text
+
+
+def test_float8_sides_turn_on_train_fp8_and_the_larger_model_fits_its_shape():
+    """ours-fp8 is rowwise, ours-fp8tensorwise tensorwise, every other side none; llama-3b (the float8 sides'
+    larger model) composes at its benchmark shape and is not in the default run."""
+    for side, recipe in (("ours-fp8-compile", "rowwise"), ("ours-fp8tensorwise", "tensorwise"), ("ours-auto", "none")):
+        overrides, _ = bench_gpu.side_overrides("llama-3b", 1, 2048, side)
+        assert f"train.fp8={recipe}" in overrides, side
+    assert "llama-3b" not in bench_gpu.DEFAULT_MODELS and set(bench_gpu.FP8_SIDES) >= {"ours-fp8", "ours-auto"}
+    cfg = bench_gpu._model_cfg("llama-3b", 2048)
+    assert (cfg.n_layers, cfg.d_model, cfg.kv_heads, cfg.ffn) == (28, 3072, 8, 8192)

@@ -181,6 +181,12 @@ BAD = [
     (["train.grad_clip=nan"], 1, "train.grad_clip=nan must be a finite number >= 0"),  # clipping silently off
     (["checkpoint.dir=''"], 1, "checkpoint.dir='' is empty"),  # a traceback at the first save
     (["run.dir=''"], 1, "run.dir='' is empty"),
+    (["train.fp8=e4m3"], 1, "train.fp8=e4m3 is not a valid choice; use one of none, tensorwise, rowwise"),
+    (
+        ["train.fp8=rowwise", "parallel.pp=2", "parallel.schedule=zb_h1"],
+        2,
+        "train.fp8=rowwise does not compose with parallel.schedule=zb_h1 (torchao's float8 backward",
+    ),
     (["train.stpes=3"], 1, "did you mean train.steps=...?"),
     (["nosuch=1"], 1, "the groups are model,"),
     (["model.n_layers=4.5"], 1, "give a value of its type, e.g. model.n_layers="),
@@ -488,3 +494,21 @@ def test_a_blend_names_each_directory_once_and_composes(tmp_path):
     assert cfg.data.path == [a, b] and cfg.data.weights == [3.0, 1.0]
     assert load([f"data.path={a}"], world_size=1).data.path == a  # one directory stays a string
     assert load([f"data.path={a}", "train.eval_interval=0"], world_size=1).data.weights is None
+
+
+def test_a_gpu_without_float8_is_refused_in_one_line(monkeypatch, data_dir):
+    """Before any process starts: an A100 (8.0) cannot run torch._scaled_mm, and rowwise needs bf16 on a GPU."""
+    import torch
+
+    import megatron_lite.validation.train as train_checks
+
+    monkeypatch.setattr(train_checks, "has_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(
+        ConfigError, match=r"^train.fp8=rowwise needs a GPU of compute capability 8.9 .* this one is 8.0;"
+    ):
+        load([f"data.path={data_dir}", "train.fp8=rowwise"], world_size=1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(ConfigError, match=r"^train.fp8=rowwise needs bf16 on a GPU .*; use train.precision=bf16"):
+        load([f"data.path={data_dir}", "train.fp8=rowwise", "train.precision=fp32"], world_size=1)
+    load([f"data.path={data_dir}", "train.fp8=tensorwise", "train.precision=fp32"], world_size=1)

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from megatron_lite.cli import checked, compose_config, load
 from megatron_lite.config import ModelConfig
+from megatron_lite.errors import ConfigError
 from megatron_lite.layout import Layout
 from megatron_lite.model.gpt import GPT
 from megatron_lite.pipeline.partition import rank_chunks
@@ -57,13 +58,16 @@ def test_rank_params_are_the_built_models(kw, pp, vpp):
         assert built == [(p.name, p.numel) for p in rank_params(cfg, 1, pp, vpp, rank)], (pp, vpp, rank)
 
 
-def _saved_bytes(cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype, backend: str = "torch") -> int:
+def _saved_bytes(
+    cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype, backend: str = "torch", fp8: str = "none"
+) -> int:
     """Bytes of every distinct storage autograd keeps for backward over one forward (parameters, buffers excluded),
-    with the kernels of `backend`."""
+    with the kernels of `backend` (and train.fp8's float8 projections)."""
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype).train()
     model.set_recompute(recompute)
     model.set_kernels(backend)
+    model.set_fp8(fp8, "cpu")
     tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1))
     kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen, total = set(), [0]
@@ -80,7 +84,9 @@ def _saved_bytes(cfg: ModelConfig, recompute: str, b: int, dtype: torch.dtype, b
     return total[0]
 
 
-def _assert_priced_to_the_byte(cfg: ModelConfig, recompute: str, dtype: torch.dtype, backend: str = "torch") -> None:
+def _assert_priced_to_the_byte(
+    cfg: ModelConfig, recompute: str, dtype: torch.dtype, backend: str = "torch", fp8: str = "none"
+) -> None:
     """One layer (a 3-layer model minus a 2-layer one) and the embedding + head (1 layer minus one layer) keep
     exactly what plan/activations.py prices for them."""
     b, act, triton = 2, 2 if dtype == torch.bfloat16 else 4, backend == "triton"
@@ -99,7 +105,7 @@ def _assert_priced_to_the_byte(cfg: ModelConfig, recompute: str, dtype: torch.dt
         stats=4 if triton else act,  # the Triton LayerNorm keeps fp32 statistics, as CUDA's does
         triton_ce=triton,
     )
-    saved = functools.partial(_saved_bytes, recompute=recompute, b=b, dtype=dtype, backend=backend)
+    saved = functools.partial(_saved_bytes, recompute=recompute, b=b, dtype=dtype, backend=backend, fp8=fp8)
     layer = saved(dataclasses.replace(cfg, n_layers=3)) - saved(cfg)
     assert layer == A.layer_bytes(cfg, x, recompute)
     one = saved(dataclasses.replace(cfg, n_layers=1))
@@ -123,6 +129,51 @@ def test_activations_with_the_triton_kernels(kw, dtype, recompute):
     (auto there picks the Triton cross entropy, which keeps the logits in their dtype where torch's path keeps an
     fp32 log-softmax, and fp32 norm statistics): to the byte."""
     _assert_priced_to_the_byte(ModelConfig(n_layers=2, **kw), recompute, dtype, "triton")
+
+
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_float8_keeps_what_high_precision_keeps(kw, dtype, recompute, fp8):
+    """train.fp8 is priced with bf16's activations: torchao's matmul (parallel/fp8.py) keeps each projection's
+    high-precision input and the weight parameter, as F.linear does, and no float8 copy: to the byte."""
+    _assert_priced_to_the_byte(ModelConfig(n_layers=2, **kw), recompute, dtype, fp8=fp8)
+
+
+def _fp8_prediction(fp8: str, gpu: str = "h100-sxm"):
+    cfg = load(
+        [
+            "model=gpt-1.3b",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=4",
+            f"cluster.gpu={gpu}",
+            "train.precision=bf16",
+            f"train.fp8={fp8}",
+        ],
+        world_size=1,
+    )
+    return predict(cfg.model, Layout.of_run(cfg, 1, cuda=True), cluster_from_config(cfg.cluster, 1))
+
+
+def test_float8_is_priced_at_the_float8_rate_plus_torchaos_casts():
+    """gpt-1.3b at 4 x 2048 on one H100, ZeRO-0: the blocks' GEMMs at 0.70 of the 1979 TFLOP/s float8 peak instead
+    of 0.823 of 989 (the head stays bf16); torchao's casts as HBM passes, counted by hand here for one layer: forward
+    5 bytes an element of the four projections' inputs (T(3h + f)) and 9 of their fp32 weights (4h^2 + 2hf), backward
+    5 of twice their output gradients (T(5h + f)) and of the inputs again, and 9 of the weights again. Memory is
+    bf16's, and an A100 (no float8) is refused in one line."""
+    bf16, fp8 = _fp8_prediction("none"), _fp8_prediction("rowwise")
+    assert fp8.ranks == bf16.ranks
+    T, h, f, layers = 4 * 2048, 2048, 8192, 24
+    gemm_flops = 3 * T * 2 * (4 * h * h + 2 * h * f) * layers  # forward and backward (twice), 2 FLOPs a MAC
+    saved = gemm_flops / (0.823 * 989e12) - gemm_flops / (0.70 * 1979e12)
+    assert bf16.step.compute_s - fp8.step.compute_s == pytest.approx(saved, rel=1e-9)
+    inputs, grads, weights = T * (3 * h + f), T * (5 * h + f), 4 * h * h + 2 * h * f
+    casts = layers * (inputs * 5 + weights * 9 + (2 * grads + inputs) * 5 + weights * 9)
+    assert fp8.step.memory_s - bf16.step.memory_s == pytest.approx(casts / (3350e9 * 0.60), rel=1e-9)
+    assert _fp8_prediction("tensorwise").step == fp8.step
+    with pytest.raises(ConfigError, match=r"^train.fp8=rowwise cannot run on cluster.gpu=a100-80gb, which has no"):
+        _fp8_prediction("rowwise", "a100-80gb")
 
 
 @pytest.mark.parametrize(
