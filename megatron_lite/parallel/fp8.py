@@ -4,10 +4,12 @@ torchao does all of the float8 work, as torchtitan uses it: it scales each opera
 (`tensorwise`: one scale per tensor; `rowwise`: one per row of each GEMM operand, scales rounded to powers of
 two), casts it (e4m3; tensorwise's output gradients e5m2) and multiplies with torch._scaled_mm, or, off CUDA,
 emulates _scaled_mm in high precision from the float8 values: float8's numerics at fp32's speed, which is how the
-tests run on a CPU. Nothing here scales, casts or multiplies. `Float8Matmul` holds one recipe's torchao
+tests run on a CPU. Scales, casts and float8 matmuls are all torchao's functions; `Float8Matmul` holds one recipe's torchao
 configuration, built as torchao's `Float8Linear` builds it, and runs torchao's autograd function
-(`matmul_with_hp_or_float8_args`, the one Float8Linear calls): its forward, and its backward on the tensors it
-would have saved.
+(`matmul_with_hp_or_float8_args`, the one Float8Linear calls) for the forward, and its backward's two halves
+(`input_grad`, `weight_grad`: torchao's casts of each operand and its float8 matmuls, in the order it makes
+them) for the backward, so that a zero-bubble schedule can make the input gradient in B and the weight gradient
+in W. The two halves together equal torchao's backward bit for bit (tests/unit/test_fp8.py).
 
 Why not torchao's module swap (`convert_to_float8_training`): it swaps nn.Linear modules, and our tensor-parallel
 projections are not nn.Linear (parallel/layers.py). Here every converted projection, serial or sharded, calls
@@ -19,17 +21,13 @@ The wrapper (`_Float8Linear`) saves the input and the weight *parameter* for bac
 `weight.t()`: under ZeRO-3 a view of the gathered weight would keep the whole weight alive (and its storage
 outside DeepSpeed's bookkeeping) until backward, where DeepSpeed gathers the parameter again anyway. Under
 sequence parallelism the column-parallel projection keeps only its sequence shard and gathers it again in
-backward, exactly as in bf16 (layers._SequenceGatherLinear calls `forward` and `backward` here).
-
-Not composed: zero-bubble schedules (torchao's backward makes the input and weight gradients in one call, so W
-cannot be deferred: refused in validation/train.py).
+backward, exactly as in bf16 (layers._SequenceGatherLinear calls `forward`, `input_grad` and `weight_grads`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 from typing import Any
 
 import torch
@@ -87,38 +85,88 @@ class Float8Matmul:
         with torch.no_grad():
             return matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)
 
-    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(dx, dW) of `forward(x, weight)`: torchao's backward, on the tensors its forward would have saved."""
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    def input_grad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """dx = g W of `forward(x, weight)`, the first half of torchao's backward (B of a zero-bubble step):
+        g scaled along its rows' features, W^T along its output features for the input gradient."""
+        from torchao.float8.float8_training_tensor import GemmInputRole
 
-        saved = types.SimpleNamespace(
-            saved_tensors=(x, weight.t()), config=self.config, linear_mm_config=self.mm_config
+        c, g = self.config, grad_out.reshape(-1, grad_out.shape[-1])
+        g8 = self._cast(g, c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, -1)
+        w8 = self._cast(weight.t(), c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, -1)
+        return torch.mm(g8, w8.t()).reshape(*grad_out.shape[:-1], -1)
+
+    def weight_grad(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """dW = g^T x (out, in), the second half (W of a zero-bubble step): both scaled along the tokens."""
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        c = self.config
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g8 = self._cast(g, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT, 0)
+        x8 = self._cast(x.reshape(-1, x.shape[-1]), c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0)
+        return torch.mm(g8.t(), x8)
+
+    def _cast(self, t: torch.Tensor, cast, role, dim: int) -> torch.Tensor:
+        """t as torchao's backward casts it for one GEMM (`cast`: that operand's CastConfig; dim: the axis its
+        rowwise scales span)."""
+        from torchao.float8.config import ScalingType
+        from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+
+        if cast.scaling_type is ScalingType.DISABLED:
+            return t
+        return hp_tensor_to_float8_dynamic(
+            t,
+            cast.target_dtype,
+            self.mm_config,
+            gemm_input_role=role,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(dim, cast.scaling_granularity),
+            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
         )
-        grad_x, grad_w_t, *_ = matmul_with_hp_or_float8_args.backward(saved, grad_out)
-        return grad_x, grad_w_t.t()
+
+    def weight_grads(
+        self, grad_out: torch.Tensor, x: torch.Tensor, param_dtype: torch.dtype, has_bias: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(dW, db): the weight gradient in float8, the bias's summed in the parameters' dtype."""
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=param_dtype) if has_bias else None
+        return self.weight_grad(grad_out, x), grad_b
 
 
 class _Float8Linear(torch.autograd.Function):
+    """x W^T + b in float8. In a zero-bubble step (store given) on stand-ins of `weights`: backward returns dx
+    (B) and queues (dW, db) against `weights` for W, as weight_grad's _Linear does."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8: Float8Matmul):
+    def forward(ctx, x, weight, bias, fp8: Float8Matmul, store, weights):
         dtype = _autocast_dtype(x.device.type)  # as torchao's Float8Linear: the input in autocast's dtype
         x = x.to(dtype) if dtype is not None else x
         ctx.save_for_backward(x, weight)
-        ctx.fp8, ctx.bias_dtype = fp8, bias.dtype if bias is not None else None
+        ctx.fp8, ctx.has_bias, ctx.param_dtype, ctx.store, ctx.weights = (
+            fp8,
+            bias is not None,
+            weight.dtype,
+            store,
+            weights,
+        )
         y = fp8.forward(x, weight)
         return y + bias.to(y.dtype) if bias is not None else y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        grad_x, grad_w = ctx.fp8.backward(grad_out, x, weight)
-        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.bias_dtype) if ctx.bias_dtype else None
-        return grad_x, grad_w, grad_b, None
+        grad_x = ctx.fp8.input_grad(grad_out, weight)
+        weight_grads = lambda: ctx.fp8.weight_grads(grad_out, x, ctx.param_dtype, ctx.has_bias)  # noqa: E731
+        if ctx.store is None:
+            return grad_x, *weight_grads(), None, None, None
+        ctx.store.defer(ctx.weights, weight_grads)
+        return grad_x, None, None, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Float8Matmul) -> torch.Tensor:
-    """x W^T + b with float8 GEMMs (torchao), gradients to x, W and b."""
-    return _Float8Linear.apply(x, weight, bias, fp8)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Float8Matmul, store=None, weights=()
+) -> torch.Tensor:
+    """x W^T + b with float8 GEMMs (torchao), gradients to x, W and b; store, weights: a zero-bubble step's
+    WeightGradStore and the parameters that weight and bias stand in for (parallel/weight_grad.py)."""
+    return _Float8Linear.apply(x, weight, bias, fp8, store, weights)
 
 
 def converts(in_features: int, out_features: int) -> bool:

@@ -69,7 +69,7 @@ class _SequenceGatherLinear(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, group, store, weights, after_b, fp8):
         """store, weights: a split step's WeightGradStore and the weight tensors that weight and bias stand in
         for (parallel/weight_grad.py); store None otherwise. after_b: a recomputed region's, handed over right
-        after its B. fp8: the float8 matmul (parallel/fp8.py) under train.fp8 (never in a split step)."""
+        after its B. fp8: the float8 matmul (parallel/fp8.py) under train.fp8."""
         ctx.group, ctx.store, ctx.weights, ctx.has_bias = group, store, weights, bias is not None
         ctx.after_b, ctx.param_dtype, ctx.fp8 = after_b, weight.dtype, fp8
         dtype = weight_grad.autocast_dtype(x_shard.device.type)
@@ -88,17 +88,16 @@ class _SequenceGatherLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
         has_bias = ctx.has_bias
-        if ctx.fp8 is not None:
-            grad_x, grad_w = ctx.fp8.backward(grad_out, _all_gather(x_shard, SEQ_DIM, ctx.group), weight)
-            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0, dtype=ctx.param_dtype) if has_bias else None
-            return _reduce_scatter(grad_x, SEQ_DIM, ctx.group), grad_w, grad_b, None, None, None, None, None
+        fp8 = ctx.fp8
         # Under bf16 autocast the forward multiplied in bf16 (grad_out's dtype) while x stayed fp32; backward
         # multiplies in the same dtype, as autocast's own linear would (autograd casts the results back to the
-        # inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing.
-        grad_x = grad_out @ weight.to(grad_out.dtype)
+        # inputs' dtypes). In fp32, or with bf16 parameters, these casts do nothing. In float8: torchao's halves.
+        grad_x = grad_out @ weight.to(grad_out.dtype) if fp8 is None else fp8.input_grad(grad_out, weight)
 
-        def weight_grads():  # in the parameters' dtype (weight_grad.linear_weight_grads)
+        def weight_grads():  # in the parameters' dtype (weight_grad.linear_weight_grads), or in float8
             x = _all_gather(x_shard.to(grad_out.dtype), SEQ_DIM, ctx.group)  # (b, s, in), gathered again
+            if fp8 is not None:
+                return fp8.weight_grads(grad_out, x, ctx.param_dtype, has_bias)
             return weight_grad.linear_weight_grads(grad_out, x, ctx.param_dtype, has_bias)
 
         grad_x = _reduce_scatter(grad_x, SEQ_DIM, ctx.group)
@@ -168,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
                 store,
                 (self.weight, bias),
                 weight_grad.kept(),
-                None,
+                self.fp8,
             )
         return weight_grad.linear(copy_to_tp(x, self.tp_group), self.weight, bias, self.fp8)  # (b, s, out/tp)
 

@@ -329,16 +329,19 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8: Float8Matmul | None = None
 ) -> torch.Tensor:
     """F.linear; in a split step its weight gradients wait for W. Weight gradients in the parameters' dtype
-    (_linear_now). fp8: the projection's float8 matmul (train.fp8, parallel/fp8.py), never in a split step."""
+    (_linear_now). fp8: the projection's float8 matmul (train.fp8, parallel/fp8.py), split as this one."""
     store = active_store()
     if fp8 is not None:
-        assert store is None, "train.fp8 with a zero-bubble schedule (refused in validation)"
-        return fp8_linear(x, weight, bias, fp8)
+        if store is None:
+            return fp8_linear(x, weight, bias, fp8)
+        if _kept:
+            return fp8_linear(x, _after_b_stand_in(weight, store), _after_b_stand_in(bias, store), fp8)
+        return _split_op(fp8_linear, x, stand_in(weight), stand_in(bias), fp8, store, (weight, bias))
     if store is None:
         return _linear_now(x, weight, bias)
     if _kept:
         return _linear_now(x, _after_b_stand_in(weight, store), _after_b_stand_in(bias, store))
-    return _split_op(_Linear, x, stand_in(weight), stand_in(bias), store, (weight, bias))
+    return _split_op(_Linear.apply, x, stand_in(weight), stand_in(bias), store, (weight, bias))
 
 
 def head_linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -369,7 +372,7 @@ def embedding(tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, weight)
     if _kept:
         return F.embedding(tokens, _after_b_stand_in(weight, store))
-    return _split_op(_Embedding, tokens, stand_in(weight), store, (weight,))
+    return _split_op(_Embedding.apply, tokens, stand_in(weight), store, (weight,))
 
 
 def held(param: torch.Tensor | None) -> torch.Tensor | None:
@@ -390,8 +393,9 @@ def _after_b_stand_in(param: torch.Tensor | None, store: WeightGradStore) -> tor
     return None if param is None else _held_stand_in(param, store, after_b=True)
 
 
-def _split_op(function, *args):
-    return function.apply(*args)
+def _split_op(op, *args):
+    """op(*args): a split step's deferring op (compiled graphs leave it out: run_eagerly_under_compile)."""
+    return op(*args)
 
 
 def run_eagerly_under_compile() -> None:

@@ -30,6 +30,8 @@ def layout_text(p: Prediction) -> str:
         parts.append(f"optimizer on {lay.offload_optimizer}")
     if lay.offload_param != "none":
         parts.append(f"parameters on {lay.offload_param}")
+    if lay.fp8 != "none":
+        parts.append(f"fp8 {lay.fp8}")
     return ", ".join(parts)
 
 
@@ -48,6 +50,8 @@ def check_line(p: Prediction, cluster: Cluster) -> str:
     trust = f"its step time off by up to {100 * error:.0f}% on {cluster.gpu.name}" + (
         "" if measured else ", unvalidated"
     )
+    if p.layout.fp8 != "none":  # plan/hardware.FP8_GEMM_ASSUMED
+        trust += " in bf16; train.fp8's GEMM rate is assumed, not yet measured"
     return (
         f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
         f"{p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "

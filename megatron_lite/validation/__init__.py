@@ -62,8 +62,8 @@ def notes(cfg: Config) -> list[str]:
         )
     if t.fp8 != "none" and not has_gpu():
         out.append(
-            f"train.fp8={t.fp8} on a CPU runs torchao's emulation of float8 matmuls: float8's numerics at fp32's "
-            "speed, for tests"
+            f"train.fp8={t.fp8} on this machine (no GPU) runs torchao's emulation of float8 matmuls: float8's "
+            "numerics at fp32's speed, for tests"
         )
     if t.eval_interval > t.steps:
         out.append(f"train.eval_interval={t.eval_interval} > train.steps={t.steps}: this run never evaluates")

@@ -9,7 +9,6 @@ import math
 from megatron_lite.config import Config, OptimConfig
 from megatron_lite.layout import resolve_precision
 from megatron_lite.parallel.fp8 import CHOICES
-from megatron_lite.pipeline.schedules import SPLIT_BACKWARD
 from megatron_lite.validation.rules import choice, fail, has_gpu, positive
 
 
@@ -73,22 +72,14 @@ def check_train(cfg: Config, world_size: int, dp: int) -> None:
 
 
 def check_fp8(cfg: Config) -> None:
-    """train.fp8: a recipe torchao has, installed, a GPU that multiplies float8 (or a CPU, which emulates it),
-    and no schedule that defers weight gradients."""
+    """train.fp8: a recipe torchao has, installed, and a GPU that multiplies float8 (or a CPU, which emulates
+    it)."""
     recipe = cfg.train.fp8
     choice("train.fp8", recipe, CHOICES)
     if recipe == "none":
         return
     if importlib.util.find_spec("torchao") is None:
         fail("train.fp8", recipe, "needs torchao (torchao.float8), which is not installed", "run `make install`")
-    if cfg.parallel.pp > 1 and cfg.parallel.schedule in SPLIT_BACKWARD:
-        fail(
-            "train.fp8",
-            recipe,
-            f"does not compose with parallel.schedule={cfg.parallel.schedule} (torchao's float8 backward makes the "
-            "input and weight gradients in one call, so W cannot wait)",
-            "use parallel.schedule=1f1b or interleaved, or train.fp8=none",
-        )
     if has_gpu():
         import torch
 
