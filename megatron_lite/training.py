@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lite.checkpoint import resume as checkpoint_resume
+from megatron_lite.announce import announce
 from megatron_lite.checkpoint.manager import Checkpointer
-from megatron_lite.config import Config, data_paths
+from megatron_lite.config import Config
 from megatron_lite.data.sampler import MicroBatches, open_streams, val_batches
 from megatron_lite.engine import Engine, StepOutcome
 from megatron_lite.engine.build_locks import clear_stale_build_locks
@@ -36,7 +36,7 @@ from megatron_lite.faults.run_lock import RunDirLock, agree_on_refusal
 from megatron_lite.faults.stragglers import StragglerWatch
 from megatron_lite.kernels import describe, resolve_backend
 from megatron_lite.layout import Layout
-from megatron_lite.lr_schedule import lr_at, schedule_change
+from megatron_lite.lr_schedule import lr_at
 from megatron_lite.metrics.flops import peak_flops, step_flops
 from megatron_lite.metrics.logger import MetricsLogger, git_commit
 from megatron_lite.metrics.memory import PeakMemory
@@ -44,7 +44,6 @@ from megatron_lite.metrics.profiling import StepProfiler
 from megatron_lite.model.build import build_model
 from megatron_lite.model.gpt import padded_vocab_size
 from megatron_lite.parallel.context import ParallelContext, init_distributed, set_collective_timeout
-from megatron_lite.validation import notes
 
 
 def _continued_wandb_id(meta: dict | None, run_dir: str) -> str | None:
@@ -235,7 +234,7 @@ class Trainer:
         # Each torchrun agent counts its own restarts: with several nodes, one restarted for a membership change
         # (not counted) and one whose worker failed differ, and rank 0's alone said 0 after a real restart.
         self.restarts = _max_over_ranks(restart_count(), ctx)
-        self._announce(self.checkpoints.resume_path, meta, dtype, peak_source)
+        announce(self, self.checkpoints.resume_path, meta, dtype, peak_source)
         if ctx.is_rank0:  # (the only logger that writes; the commit takes a git call)
             self.logger.describe(
                 {
@@ -273,12 +272,6 @@ class Trainer:
             model.compile_blocks()
         return Engine(model, ctx, self.layout, ds_config, model_cfg=cfg.model, train=cfg.train)
 
-    def _fp8_said(self) -> str:
-        if self.cfg.train.fp8 == "none":
-            return ""
-        emulated = ", emulated" if self.ctx.device.type != "cuda" else ""
-        return f", fp8 {self.cfg.train.fp8} ({self.fp8_projections} projections{emulated})"
-
     def _data(self, consumed: int) -> None:
         cfg, ctx = self.cfg, self.ctx
         self.data = open_streams(
@@ -293,86 +286,6 @@ class Trainer:
         self.batches = MicroBatches(
             self.data.train, cfg.train.global_batch_size, cfg.train.micro_batch_size, ctx.dp_rank, ctx.dp_size, consumed
         )
-
-    def _announce(self, resume_path: str | None, meta: dict | None, dtype: torch.dtype, peak_source: str) -> None:
-        """What this run is: the resume (and any change to the data stream), the restart, the layout."""
-        cfg, ctx, say, p = self.cfg, self.ctx, self.logger.print, self.cfg.parallel
-        if self.start_step:
-            say(
-                f"resumed from {resume_path} at step {self.start_step} ({self.batches.consumed_samples} samples "
-                "consumed)"
-            )
-            changes = (
-                checkpoint_resume.data_stream_changes(meta.get("config", {}), cfg)
-                if meta["kind"] == "deepspeed"
-                else []
-            )
-            if changes:
-                say(
-                    "warning: this resume changes the data stream (" + "; ".join(changes) + "): the steps from "
-                    f"{self.start_step + 1} see other samples (or masks) than the run that wrote the checkpoint would "
-                    "have"
-                )
-            lr_change = (
-                schedule_change(meta.get("config", {}), cfg, self.start_step) if meta["kind"] == "deepspeed" else None
-            )
-            if lr_change:
-                say(f"warning: {lr_change}")
-        elif meta is not None and meta["kind"] == "weights":  # an import (step 0): its weights, all else afresh
-            say(
-                f"starting from the weights of {resume_path} (weights only: a new optimizer, schedule and data "
-                "stream from step 1)"
-            )
-        for note in notes(cfg):
-            say(f"warning: {note}")
-        if self.start_step >= cfg.train.steps:
-            say(
-                f"nothing to do: the checkpoint resumed ({resume_path}) is at step {self.start_step} of train.steps="
-                f"{cfg.train.steps}; raise train.steps, or use another run.dir / checkpoint.resume=never"
-            )
-        pipeline = (
-            f", vpp {p.vpp}, {self.engine.executor.schedule_name} schedule, layers per virtual stage "
-            f"{list(self.layout.layers_per_stage)}"
-            if ctx.pp_size > 1
-            else ""
-        )
-        context = f", cp {ctx.cp_size} ({p.cp_mode})" if ctx.cp_size > 1 else ""
-        if self.restarts:
-            say(
-                f"restart {self.restarts} of this job (torchrun: {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
-                f"Slurm requeues: {os.environ.get('SLURM_RESTART_COUNT', 0)})"
-            )
-        say(
-            f"{cfg.model.name}: world {ctx.world_size} (dp {ctx.dp_size}, tp {ctx.tp_size}{context}, pp "
-            f"{ctx.pp_size}{pipeline}), zero {cfg.zero.stage}, {dtype}, accumulation {self.engine.accum}, kernels "
-            f"{describe(resolve_backend(cfg.kernels.backend, ctx.device))}{self._fp8_said()}; peak "
-            f"{self.peak / 1e12:.2f} TFLOP/s per device ({peak_source})"
-        )
-        paths = data_paths(cfg.data.path)
-        shares = np.asarray(self.data.weights, dtype=np.float64) / sum(self.data.weights)
-        if self.data.val_samples is not None:  # the validation set wraps around a split smaller than it
-            needed = cfg.train.eval_iters * cfg.train.global_batch_size
-            short = [
-                f"{path} holds {n} for its {share * needed:.0f}"
-                for path, n, share in zip(paths, self.data.val_samples, shares)
-                if n < share * needed
-            ]
-            if short:
-                say(
-                    f"warning: an evaluation reads train.eval_iters x train.global_batch_size = {needed} validation "
-                    f"samples, more than the validation split has ({'; '.join(short)}): some count more than "
-                    "once; prepare the data with a larger --val-fraction, or lower train.eval_iters"
-                )
-        if len(paths) > 1:  # each dataset's share and how often the run will have read it
-            samples = cfg.train.steps * cfg.train.global_batch_size
-            say(
-                f"data: a blend of {len(paths)}: "
-                + "; ".join(
-                    f"{path} {share:.1%} of the samples ({n:,} of its own: {share * samples / n:.2f} epochs by step "
-                    f"{cfg.train.steps})"
-                    for path, share, n in zip(paths, shares, self.data.samples)
-                )
-            )
 
     # --- the loop ---
 

@@ -19,7 +19,7 @@ In one run, on the first CUDA device, with nothing fetched from the network:
      over the bf16 peak, as torchtitan counts it), and with `--models llama-3b --sides` FP8_SIDES, float8
      against bf16 on a Llama-3.2-3B shape (b 2, s 2048: 55 GiB predicted on an H100), eager and compiled;
    - hf: transformers' GPT2LMHeadModel, SDPA attention, fp32 weights under bf16 autocast, torch AdamW (fused);
-   - compiled: a minimal nanoGPT-style GPT of the same shape written below (SDPA, fp32 weights, bf16
+   - compiled: a minimal nanoGPT-style GPT of the same shape, tools/gpu_baselines.py (SDPA, fp32 weights, bf16
      autocast, fused AdamW), torch.compile'd: the loop users compare with;
    - ours-compile-global16 and compiled-global16: the same, 16 sequences a step (gradients accumulated over
      micro-batches of the shape above, one optimizer step), as a real run's global batch amortizes AdamW;
@@ -60,6 +60,7 @@ sys.path.insert(0, ROOT)
 
 from tools.case_process import CaseProcess  # noqa: E402
 from tools.commit import git_commit  # noqa: E402
+from tools.gpu_baselines import compiled_step, hf_step  # noqa: E402
 from tools.gpu_report import markdown  # noqa: E402
 
 MODELS = {  # preset: (micro-batch, sequence length), the shapes issue 24 names; gpt-1.3b, the MFU target, first
@@ -91,43 +92,6 @@ SIDES = (
 FP8_SIDES = ("ours-auto", "ours-fp8", "ours-compile", "ours-fp8-compile", "ours-fp8tensorwise-compile")
 BUDGET_S = 570  # one run's default wall-clock budget: within 10 minutes (a GPU lease's limit per command)
 MIN_CASE_S = 30  # a throughput case is not started with less than this left (start-up and warm-up alone)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The minimal compiled baseline: a GPT-2 in plain PyTorch, as nanoGPT writes it.
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class MinimalGPT(torch.nn.Module):
-    def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int):
-        super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
-        self.blocks = torch.nn.ModuleList(_Block(d, heads) for _ in range(layers))
-        self.ln_f = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied, as GPT-2
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,40 +177,6 @@ def _ours(preset: str, micro: int, seq: int, side: str):
     return cfg.model, lambda: engine.train_step(batches, cfg.optim.lr, 1)
 
 
-def _plain_loop(model, micro: int, seq: int, vocab: int, lm_shift: bool, accumulate: int = 1):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    batches = [torch.randint(0, vocab, (micro, seq + 1), device="cuda") for _ in range(accumulate)]
-
-    def step():
-        for batch in batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if lm_shift:  # HF shifts the labels itself
-                    loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
-                else:
-                    loss = model(batch[:, :-1], batch[:, 1:])
-            (loss / accumulate).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _hf(model_cfg, micro: int, seq: int, accumulate: int):
-    from tools.bench_throughput import hf_gpt2
-
-    with torch.device("cuda"):  # initialised on the GPU: a 1.3B model's init on the host takes a minute
-        model = hf_gpt2(model_cfg, torch.device("cuda"), torch.float32)
-    return _plain_loop(model, micro, seq, model_cfg.vocab_size, True, accumulate)
-
-
-def _compiled(model_cfg, micro: int, seq: int, accumulate: int):
-    m = model_cfg
-    with torch.device("cuda"):
-        model = MinimalGPT(m.vocab_size, seq, m.d_model, m.n_heads, m.n_layers)
-    return _plain_loop(torch.compile(model), micro, seq, m.vocab_size, False, accumulate)
-
-
 def device_seconds(events) -> float:
     """GPU time of the kernels, copies and memsets among torch.profiler's averaged events. An op's row repeats
     the device time of the kernels it launched, and so does a user annotation's GPU range
@@ -307,7 +237,7 @@ def run_case(
         known = base in ("hf", "compiled") and side in (base, f"{base}-global{micro * accumulate}")
         assert known, f"unknown side {side}"
         model_cfg = _model_cfg(preset, seq)
-        step = (_hf if base == "hf" else _compiled)(model_cfg, micro, seq, accumulate)
+        step = (hf_step if base == "hf" else compiled_step)(model_cfg, micro, seq, accumulate)
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # config, model, optimizer
     for _ in range(warmup):
