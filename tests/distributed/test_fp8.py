@@ -4,7 +4,7 @@ in float8 with the same weights and data.
 Float8 scales each operand from its own amax, so a layout agrees with the single process as closely as its
 shards see the same operands:
 - a pipeline (the zero-bubble ones too, whose weight gradients wait for W), data parallelism with the same
-  micro-batches, every ZeRO stage, recompute: the same operands, so only the order of additions differs, as in
+  micro-batches, every ZeRO stage (with CPU offload, and hybrid sharding), recompute: the same operands, so only the order of additions differs, as in
   fp32 (within 1e-4; measured 1.4e-5 to 5.7e-5);
 - tensor parallelism (with or without SP, which give the same numbers): each shard scales its own rows, a
   column-parallel shard its output gradient's, a row-parallel one its input's (within 5e-4; measured 1.0e-4
@@ -63,6 +63,13 @@ RUNS = {
         True,
     ),
     "dp4_zero0": ("tensorwise", [*TENSORWISE, "zero.stage=0"], SAME_OPERANDS, True),
+    "dp4_zero3_cpu_offload": (
+        "rowwise",
+        [*ROWWISE, "zero.stage=3", "zero.offload_param=cpu", "zero.offload_optimizer=cpu"],
+        SAME_OPERANDS,
+        True,
+    ),
+    "dp4_hsdp_zero2_shard2": ("rowwise", [*ROWWISE, "zero.stage=2", "zero.shard_size=2"], SAME_OPERANDS, True),
     "cp2_ring_dp2_zero1": ("rowwise", [*ROWWISE, "parallel.cp=2", "zero.stage=1"], SEQUENCE_SCALES, True),
     "llama_pp2_1f1b_dp2_selective": (
         "llama",
