@@ -137,8 +137,9 @@ class TrainConfig:
     """torch.compile each transformer block (GPU fusion next to our kernels); not with zero.stage=3."""
     fp8: str = "none"
     """Float8 matmuls in the transformer blocks' projections through torchao (parallel/fp8.py): none, tensorwise
-    (one scale per tensor) or rowwise (one per row, more accurate); needs a GPU of compute capability 8.9+ (H100),
-    and on a CPU runs torchao's emulation. The embedding and LM head stay high precision."""
+    (one scale per tensor), rowwise (one per row, more accurate) or rowwise_with_gw_hp (rowwise, the weight
+    gradient in bf16: the most accurate); needs a GPU of compute capability 8.9+ (H100), and on a CPU runs
+    torchao's emulation. The embedding and LM head stay high precision."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     eval_interval: int = 100

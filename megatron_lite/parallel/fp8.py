@@ -2,7 +2,8 @@
 
 torchao does all of the float8 work, as torchtitan uses it: it scales each operand dynamically from its own amax
 (`tensorwise`: one scale per tensor; `rowwise`: one per row of each GEMM operand, scales rounded to powers of
-two), casts it (e4m3; tensorwise's output gradients e5m2) and multiplies with torch._scaled_mm, or, off CUDA,
+two; `rowwise_with_gw_hp`: rowwise, but the weight gradient's GEMM in high precision), casts it (e4m3;
+tensorwise's output gradients e5m2) and multiplies with torch._scaled_mm, or, off CUDA,
 emulates _scaled_mm in high precision from the float8 values: float8's numerics at fp32's speed, which is how the
 tests run on a CPU. Scales, casts and float8 matmuls are all torchao's functions; `Float8Matmul` holds one recipe's torchao
 configuration, built as torchao's `Float8Linear` builds it, and runs torchao's autograd function
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+HIGH_PRECISION_WEIGHT_GRAD = ("rowwise_with_gw_hp",)  # recipes whose weight-gradient GEMM stays in bf16
 CHOICES = ("none", *RECIPES)
 ALIGN = 16  # torch._scaled_mm's requirement on both dimensions of a weight; other projections stay high precision
 

@@ -53,6 +53,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.errors import ConfigError
 from megatron_lite.layout import Layout
 from megatron_lite.metrics.flops import layer_flops_per_token
+from megatron_lite.parallel.fp8 import HIGH_PRECISION_WEIGHT_GRAD
 from megatron_lite.pipeline.partition import stage_layers, virtual_stage
 from megatron_lite.pipeline.schedules import build_schedule, v_shaped
 from megatron_lite.pipeline.simulate import expected_bubble, simulate
@@ -179,8 +180,9 @@ class StepModel:
         peak = cluster.gpu.bf16_flops if bf16 else cluster.gpu.fp32_flops
         rates = cluster.rates
         self.gemm_per_s, self.gemm_call_s = peak * rates.gemm, rates.gemm_call_s
-        # train.fp8: the blocks' GEMMs at the class's float8 rate (the head's stay bf16), plus torchao's casts
-        self.layer_gemm_per_s = self.gemm_per_s
+        # train.fp8: the blocks' GEMMs at the class's float8 rate (the head's stay bf16; rowwise_with_gw_hp's
+        # weight-gradient GEMMs too), plus torchao's casts
+        self.layer_gemm_per_s = self.layer_backward_per_s = self.gemm_per_s
         if layout.fp8 != "none":
             if cluster.gpu.fp8_flops == 0:
                 raise ConfigError(
@@ -188,6 +190,10 @@ class StepModel:
                     "tensor cores; use train.fp8=none, or an H100, H200 or B200"
                 )
             self.layer_gemm_per_s = cluster.gpu.fp8_flops * rates.gemm_fp8
+            # the backward's two GEMMs of equal FLOPs: input gradients in float8, weight gradients in one or other
+            fp8_s, hp_s = 1 / self.layer_gemm_per_s, 1 / self.gemm_per_s
+            weight_s = hp_s if layout.fp8 in HIGH_PRECISION_WEIGHT_GRAD else fp8_s
+            self.layer_backward_per_s = 2 / (fp8_s + weight_s)
         self.attention_per_s, self.attention_call_s = peak * rates.attention, rates.attention_call_s
         # one layer's forward FLOPs per token: its GEMMs, and its attention core (halved when causal and fused)
         self.dense_flops, self.core_flops = layer_flops_per_token(cfg, cfg.seq_len, causal=system.flash_attention)
@@ -227,7 +233,10 @@ class StepModel:
         weights = h * (q + 2 * kv) + q * h + h * up + f * h
         w_bytes = 4 if lay.zero_stage == 0 else self.act  # ZeRO-0 keeps fp32 weights, ZeRO 1-3 bf16 ones
         per_act, per_weight = 2 * self.act + 1, 2 * w_bytes + 1
-        return (inputs * per_act + weights * per_weight, (2 * grads + inputs) * per_act + weights * per_weight)
+        backward = 2 * grads + inputs  # rowwise_with_gw_hp casts neither for the weight gradient
+        if lay.fp8 in HIGH_PRECISION_WEIGHT_GRAD:
+            backward = grads
+        return (inputs * per_act + weights * per_weight, backward * per_act + weights * per_weight)
 
     def _attention(self, flops: float) -> float:
         """One attention call (a forward, or a backward of twice the forward's FLOPs)."""
@@ -273,7 +282,7 @@ class StepModel:
         collectives once more, plus the SP re-gathers; CP: the K/V hops again plus fp32 dK/dV hops. A recomputed
         layer repeats its forward."""
         lay, cfg = self.lay, self.cfg
-        compute = self._gemms(2 * self.T * self.dense_flops / lay.tp, 8, self.layer_gemm_per_s)
+        compute = self._gemms(2 * self.T * self.dense_flops / lay.tp, 8, self.layer_backward_per_s)
         compute += self._attention(2 * self.T * self.core_flops / lay.tp)
         tensor = self.T * cfg.d_model * self.act
         if lay.sp:

@@ -91,7 +91,7 @@ def check_fp8(cfg: Config) -> None:
                 f"needs a GPU of compute capability 8.9 or newer (H100, L40S); this one is {capability[0]}.{capability[1]}",
                 "use train.fp8=none",
             )
-        if recipe == "rowwise" and resolve_precision(cfg.train.precision) == "fp32":
+        if recipe != "tensorwise" and resolve_precision(cfg.train.precision) == "fp32":
             fail(
                 "train.fp8",
                 recipe,

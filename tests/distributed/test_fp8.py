@@ -10,7 +10,8 @@ shards see the same operands:
   column-parallel shard its output gradient's, a row-parallel one its input's (within 5e-4; measured 1.0e-4
   losses, 1.3e-4 grad norms; with zbv 8.0e-5). Tested rowwise: tensorwise scales a shard by its own amax of the
   whole tensor, which moves tp 2 by 1.2e-3 (grad norms 3.3e-3), as far as float8 itself moves the run, so a
-  tolerance there could not tell a shard that lost float8;
+  tolerance there could not tell a shard that lost float8; rowwise_with_gw_hp, whose weight gradients are not
+  float8, 3.5e-5;
 - context parallelism: the weight gradient's scales span a rank's sequence part (within 1e-3; measured 2.8e-4,
   4.7e-4).
 Float8 itself moves this run by 2.2e-3 (rowwise; tensorwise 1.2e-3) in the losses from fp32: a layout that lost its
@@ -63,6 +64,12 @@ RUNS = {
         True,
     ),
     "dp4_zero0": ("tensorwise", [*TENSORWISE, "zero.stage=0"], SAME_OPERANDS, True),
+    "tp2_sp_dp2_gw_hp": (
+        "rowwise_with_gw_hp",
+        ["train.fp8=rowwise_with_gw_hp", "parallel.tp=2", "parallel.sp=true", "zero.stage=1"],
+        SHARD_SCALES,
+        True,
+    ),
     "dp4_zero3_cpu_offload": (
         "rowwise",
         [*ROWWISE, "zero.stage=3", "zero.offload_param=cpu", "zero.offload_optimizer=cpu"],
@@ -89,14 +96,21 @@ RUNS = {
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
-    names = {"rowwise": ROWWISE, "tensorwise": TENSORWISE, "llama": [*ROWWISE, *LLAMA], "none": []}
+    names = {
+        "rowwise": ROWWISE,
+        "tensorwise": TENSORWISE,
+        "rowwise_with_gw_hp": ["train.fp8=rowwise_with_gw_hp"],
+        "llama": [*ROWWISE, *LLAMA],
+        "none": [],
+    }
     runs = run_configs(1, [overrides(tmp, name, *extra) for name, extra in names.items()], tmp)
     return dict(zip(names, runs))
 
 
 def test_float8_moves_the_run(references):
-    """The gap every layout's tolerance is measured against (2.2e-3 rowwise, 1.2e-3 tensorwise)."""
-    for recipe in ("rowwise", "tensorwise"):
+    """The gap every layout's tolerance is measured against (2.2e-3 rowwise and rowwise_with_gw_hp, 1.2e-3
+    tensorwise)."""
+    for recipe in ("rowwise", "tensorwise", "rowwise_with_gw_hp"):
         gap = max_abs_diff(references[recipe]["losses"], references["none"]["losses"])
         assert gap > 2 * SHARD_SCALES, f"{recipe} moved the losses from fp32 by only {gap:.2e}"
 

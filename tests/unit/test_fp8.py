@@ -109,9 +109,11 @@ def test_a_model_in_fp8_stays_near_high_precision(shape, recipe):
 
 
 def test_recipes_are_torchaos():
-    """tensorwise: e4m3 forward, e5m2 output gradients; rowwise: e4m3 throughout, power-of-two scales."""
-    tensorwise, rowwise = (Float8Matmul.of(r, "cpu").config for r in RECIPES)
+    """tensorwise: e4m3 forward, e5m2 output gradients; rowwise: e4m3 throughout, power-of-two scales;
+    rowwise_with_gw_hp: the weight gradient's operands left in high precision."""
+    tensorwise, rowwise, high_precision_gw = (Float8Matmul.of(r, "cpu").config for r in RECIPES)
     assert tensorwise.cast_config_grad_output.target_dtype == torch.float8_e5m2
     assert rowwise.cast_config_grad_output.target_dtype == torch.float8_e4m3fn and rowwise.round_scales_to_power_of_2
+    assert high_precision_gw.cast_config_grad_output_for_grad_weight.scaling_type.name == "DISABLED"
     assert Float8Matmul.of("rowwise", "cpu").emulate and not Float8Matmul.of("rowwise", "cuda").emulate
     assert dataclasses.replace(rowwise, emulate=False) == Float8Matmul.of("rowwise", "cuda").config

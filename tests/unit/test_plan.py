@@ -172,6 +172,11 @@ def test_float8_is_priced_at_the_float8_rate_plus_torchaos_casts():
     casts = layers * (inputs * 5 + weights * 9 + (2 * grads + inputs) * 5 + weights * 9)
     assert fp8.step.memory_s - bf16.step.memory_s == pytest.approx(casts / (3350e9 * 0.60), rel=1e-9)
     assert _fp8_prediction("tensorwise").step == fp8.step
+    # rowwise_with_gw_hp: the weight gradients' GEMMs (a third of the FLOPs) in bf16, and none of their casts
+    high = _fp8_prediction("rowwise_with_gw_hp").step
+    assert high.compute_s - fp8.step.compute_s == pytest.approx(saved / 3, rel=1e-9)
+    uncast = layers * (inputs + grads) * 5
+    assert fp8.step.memory_s - high.memory_s == pytest.approx(uncast / (3350e9 * 0.60), rel=1e-9)
     with pytest.raises(ConfigError, match=r"^train.fp8=rowwise cannot run on cluster.gpu=a100-80gb, which has no"):
         _fp8_prediction("rowwise", "a100-80gb")
 
