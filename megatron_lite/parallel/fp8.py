@@ -142,13 +142,8 @@ class _Float8Linear(torch.autograd.Function):
         dtype = _autocast_dtype(x.device.type)  # as torchao's Float8Linear: the input in autocast's dtype
         x = x.to(dtype) if dtype is not None else x
         ctx.save_for_backward(x, weight)
-        ctx.fp8, ctx.has_bias, ctx.param_dtype, ctx.store, ctx.weights = (
-            fp8,
-            bias is not None,
-            weight.dtype,
-            store,
-            weights,
-        )
+        ctx.fp8, ctx.has_bias, ctx.param_dtype = fp8, bias is not None, weight.dtype
+        ctx.store, ctx.weights = store, weights
         y = fp8.forward(x, weight)
         return y + bias.to(y.dtype) if bias is not None else y
 
