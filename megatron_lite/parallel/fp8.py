@@ -80,12 +80,14 @@ class Float8Matmul:
         mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms))
         return cls(recipe, emulate, config, mm)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x W^T in float8, without a graph (x already in the dtype to multiply in)."""
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b, added in the product's dtype) in float8, without a graph (x already in the dtype to
+        multiply in)."""
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
         with torch.no_grad():
-            return matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)
+            y = matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)
+            return y + bias.to(y.dtype) if bias is not None else y
 
     def input_grad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """dx = g W of `forward(x, weight)`, the first half of torchao's backward (B of a zero-bubble step):
@@ -144,8 +146,7 @@ class _Float8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.fp8, ctx.has_bias, ctx.param_dtype = fp8, bias is not None, weight.dtype
         ctx.store, ctx.weights = store, weights
-        y = fp8.forward(x, weight)
-        return y + bias.to(y.dtype) if bias is not None else y
+        return fp8.forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -76,8 +76,7 @@ class _SequenceGatherLinear(torch.autograd.Function):
         if fp8 is not None:  # torchao casts the weight to float8 from the parameter itself
             x_shard = x_shard.to(dtype) if dtype is not None else x_shard
             ctx.save_for_backward(x_shard, weight)
-            y = fp8.forward(_all_gather(x_shard, SEQ_DIM, group), weight)
-            return y + bias.to(y.dtype) if bias is not None else y
+            return fp8.forward(_all_gather(x_shard, SEQ_DIM, group), weight, bias)
         # Under bf16 autocast: the step's bf16 copies of the weights (weight_grad.weight_as), as autocast's
         # own linear would cast them; the gathered input is cast by autocast. Otherwise the weights themselves.
         weight, bias = weight_grad.weight_as(weight, dtype), weight_grad.weight_as(bias, dtype)
