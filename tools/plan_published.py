@@ -63,7 +63,8 @@ def fsdp_lines() -> list[str]:
         f"## {SOURCE}",
         "",
         "Their layouts priced with each GPU's rates (plan/hardware.py: the H100's measured on this trainer in 2025, "
-        "the A100's fitted to Megatron-LM's runs, not to these) and ZeRO-3's collectives overlapped with compute.",
+        "the A100's fitted to Megatron-LM's runs, not to these) and ZeRO-3's collectives as FSDP runs them (a gather "
+        "per block each way, a reduce-scatter per block), overlapped with compute.",
         "",
         "| GPU | model | GPUs | their layout | tokens/s/GPU published | predicted | error | fits |",
         "|---|---|---|---|---|---|---|---|",

@@ -90,7 +90,9 @@ class FsdpRun:
 
     @property
     def system(self) -> System:
-        return System(name="Composer FSDP 2023", gathers_params=False, reduce_bytes=2 if self.pure else 4)
+        return System(
+            name="Composer FSDP 2023", gathers_params=False, reduce_bytes=2 if self.pure else 4, fsdp_units=True
+        )
 
 
 def _h100(name, gpus, micro, accum, ac, tps):

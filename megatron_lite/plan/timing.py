@@ -26,7 +26,9 @@ Assumptions, each a choice a reader can disagree with:
     one all-gather per fetched module (a layer's 4 linears, the embedding and the head) each forward, and in backward
     again only for what its 1e9-element live window (stage3_max_live_parameters, max_reuse_distance) released, the
     parameters past 1e9 (measured on CPU: one gather a step below it, as plan/states.py prices the memory); one
-    reduce-scatter per 5e7-element reduce bucket; each collective pays the ring's latency.
+    reduce-scatter per 5e7-element reduce bucket; each collective pays the ring's latency. PyTorch FSDP wrapping each
+    block (System.fsdp_units: the published FSDP runs) gathers a block for its forward and again for its backward
+    and reduce-scatters its gradients, one collective each.
   - The optimizer step is HBM-bound: AdamW reads gradient, master weight and two moments and writes three of
     them plus the bf16 copy where there is one (28 or 30 bytes per parameter of the local partition), at 0.78 of the
     bandwidth for this trainer; ZeRO-0 adds its gradient-norm pass (4 bytes), and in bf16 autocast's weight and
@@ -78,6 +80,8 @@ class System:
     dp_overlap_stages: tuple[int, ...] = (2, 3)  # ZeRO stages whose gradient reduction overlaps backward
     regather_sp: bool = True  # SP column-parallel layers all-gather their input again in backward
     pp_scatter_gather: bool = False  # pipeline messages split over TP ranks, gathered over NVLink after
+    fsdp_units: bool = False  # ZeRO-3 as PyTorch FSDP FULL_SHARD wrapping each block: per block, a gather in forward,
+    # another in backward and a reduce-scatter (DeepSpeed's: per module, a live window, 5e7-element buckets)
     gathers_params: bool = True  # ZeRO 1-3 all-gather the updated parameters after the step
     # Shares of the HBM bandwidth the memory-bound work reaches, and the passes only this trainer makes; measured on
     # one H100 (bench/results/gpu_h100_80gb_hbm3.md "Where gpt-1.3b's step goes", ours-auto at 4 x 2048); the
@@ -375,9 +379,13 @@ class StepModel:
             modules = 4 * self.cfg.n_layers // lay.pp + 2  # fetched modules of a pipeline rank: one gather each
             regather = max(0, P - MAX_LIVE)
             back_calls = -(-modules * regather // P) if regather else 0
+            buckets = -(-P // REDUCE_BUCKET)
+            if self.system.fsdp_units:
+                modules = back_calls = buckets = self.cfg.n_layers // lay.pp + 1  # the blocks and the root
+                regather = P
             gather_link, gather_n = (self.hpz_link, lay.hpz) if lay.hpz > 1 else (link, n)
             backward_gather = gather_link.gather(regather * self.act, gather_n, back_calls)
-            scatter = link.gather(P * self.system.reduce_bytes, n, -(-P // REDUCE_BUCKET))
+            scatter = link.gather(P * self.system.reduce_bytes, n, buckets)
             forward_gather = link.gather(P * self.act, n, modules)
             per_micro = reduce if lay.zero_stage == 2 else scatter + forward_gather + backward_gather
             exposed = m * max(0.0, per_micro - backward_s)
