@@ -85,6 +85,26 @@ def step_errors() -> dict[str, float]:
     return out
 
 
+@functools.cache
+def multi_gpu_caveat(gpu: str) -> str:
+    """What the error of step_error says nothing about, for a layout on more than one GPU: for a class measured on
+    one GPU only (MEASURED), how much longer published fully sharded runs on several of its GPUs took than the
+    planner predicts for their layouts (plan/published_fsdp.py), or that none has been held against it. Empty for
+    the A100s, whose error comes from published runs on 8 to 3,072 GPUs."""
+    from megatron_lite.plan.published_fsdp import MOSAIC_H100, fsdp_row
+
+    if gpu.startswith("a100"):
+        return ""
+    rows = [fsdp_row(run) for run in MOSAIC_H100 if run.gpu == gpu]
+    if not rows:
+        return f"no run on several {gpu}s has been held against the planner"
+    gpus, errors = [r["gpus"] for r in rows], [100 * r["error"] for r in rows]
+    return (
+        f"MosaicML's published FSDP runs on {min(gpus)}-{max(gpus)} {gpu}s took "
+        f"{min(errors):.0f}-{max(errors):.0f}% longer than predicted for their layouts"
+    )
+
+
 def step_error(gpu: str) -> tuple[float, bool]:
     """(the planner's measured step-time error on `gpu`'s class, whether that class has been measured at all);
     an unmeasured class gets the largest error of any."""

@@ -44,12 +44,14 @@ def _where(p: Prediction) -> str:
 def check_line(p: Prediction, cluster: Cluster) -> str:
     """`--check` on success: the layout, memory against the GPU's, step time (with the planner's measured error on
     this GPU: plan/measured.py), throughput, MFU."""
-    from megatron_lite.plan.measured import step_error
+    from megatron_lite.plan.measured import multi_gpu_caveat, step_error
 
     error, measured = step_error(cluster.gpu.name)
     trust = f"its step time off by up to {100 * error:.0f}% on {cluster.gpu.name}" + (
         "" if measured else ", unvalidated"
     )
+    if p.layout.world_size > 1 and multi_gpu_caveat(cluster.gpu.name):
+        trust += f"; that error is one GPU's: {multi_gpu_caveat(cluster.gpu.name)}"
     if p.layout.fp8 != "none":  # plan/hardware.FP8_GEMM_ASSUMED
         trust += " in bf16; train.fp8's GEMM rate is assumed, not yet measured"
     return (
@@ -133,7 +135,7 @@ def near_best(predictions: list[Prediction], error: float) -> list[bool]:
 def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str:
     """The `--plan` table: the fastest layouts that fit, each with the override line that runs it, those the
     planner cannot tell from the first marked ≈ (its measured error on this GPU: plan/measured.py)."""
-    from megatron_lite.plan.measured import step_error
+    from megatron_lite.plan.measured import multi_gpu_caveat, step_error
 
     error, measured = step_error(cluster.gpu.name)
     near = near_best(predictions, error)
@@ -180,6 +182,8 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
             if close > 1
             else f"No other layout is within {100 * error:.0f}% of #1's step time ({basis})."
         )
+        if cluster.world_size > 1 and multi_gpu_caveat(cluster.gpu.name):
+            lines.append(f"That error is one GPU's: {multi_gpu_caveat(cluster.gpu.name)} (docs/performance.md).")
     if not fitting:
         lines.append(
             f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "
