@@ -84,19 +84,20 @@ class GPU:
     # TF32 off (torch's default); metrics/flops.PEAK_TABLE's "fp32" column
     rates: Rates = A100_RATES  # GEMM and attention rates (module docstring)
     fp8_flops: float = 0.0  # dense float8 (e4m3) tensor-core peak, FLOP/s; 0: none (the A100)
+    sms: int = 132  # streaming multiprocessors: what an overlapped NCCL kernel takes its share of (plan/timing.py)
 
 
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12, A100_RATES),
-        GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12, A100_RATES),
+        GPU("a100-40gb", 40 * GIB, 312e12, 1555, 300, 200, 19.5e12, A100_RATES, sms=108),
+        GPU("a100-80gb", 80 * GIB, 312e12, 2039, 300, 200, 19.5e12, A100_RATES, sms=108),
         GPU("h100-sxm", 80 * GIB, 989e12, 3350, 450, 400, 67e12, H100_RATES, 1979e12),
         # "141 GB" sold; the driver reports 143,771 MiB
         GPU("h200", 143_771 * 2**20, 989e12, 4800, 450, 400, 67e12, H200_RATES, 1979e12),
         # "180 GB" sold; the driver reports 183,359 MiB; fp32 80 TFLOP/s: the HGX B200 at 1,000 W in NVIDIA's
         # Blackwell datasheet (not in flops.PEAK_TABLE: probed there)
-        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES, 4500e12),
+        GPU("b200", 183_359 * 2**20, 2250e12, 8000, 900, 400, 80e12, B200_RATES, 4500e12, sms=148),
     )
 }
 

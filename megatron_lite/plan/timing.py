@@ -21,7 +21,12 @@ Assumptions, each a choice a reader can disagree with:
   - Data parallelism: ZeRO-0 and ZeRO-1 all-reduce fp32 gradients once after the last micro-batch (exposed);
     ZeRO-2 all-reduces every micro-batch's gradients during its backward, ZeRO-3 reduce-scatters them and gathers
     bf16 parameters before each forward and backward: overlapped with that micro-batch's compute (DeepSpeed's
-    overlap_comm), exposed only where the collective is longer; ZeRO 1-3 all-gather the updated bf16 parameters
+    overlap_comm), exposed only where the collective is longer. Overlap is not free: while NCCL's kernel runs, its
+    24 thread blocks hold 24 of the GPU's SMs (an all-gather beside a GEMM on an H100, NVIDIA developer forums,
+    "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect", 2025), and
+    the backward runs on the rest: 24/132 of the overlapped time is added on an H100, 24/108 on an A100. (That
+    post's GEMM, one wave of 132 blocks, went from 80% to 47% of peak, the worst case; a GEMM of many waves loses
+    the SMs' share.) ZeRO 1-3 all-gather the updated bf16 parameters
     after the step (the volumes tools/bench_comm.py measured). ZeRO-3 as DeepSpeed 0.19 runs it at its defaults:
     one all-gather per fetched module (a layer's 4 linears, the embedding and the head) each forward, and in backward
     again only for what its 1e9-element live window (stage3_max_live_parameters, max_reuse_distance) released, the
@@ -43,7 +48,8 @@ Assumptions, each a choice a reader can disagree with:
     Memory is bf16's: dynamic scaling keeps no amax history or scale buffers, and its matmul saves the same
     high-precision inputs for backward (parallel/fp8.py); only one projection's float8 copies exist at a time.
 Not modelled: kernel launch overheads, data loading, stragglers, network contention between axes, the tied
-embedding's gradient all-reduce between the first and last stage (one (V/tp) x h tensor per step).
+embedding's gradient all-reduce between the first and last stage (one (V/tp) x h tensor per step), the HBM bandwidth
+an overlapped collective takes beside its SMs, and the SMs of context parallelism's overlapped ring hops.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from megatron_lite.plan.states import MAX_LIVE
 PCIE_BPS = 25e9
 REDUCE_BUCKET = 50_000_000  # elements: ZeRO's reduce_bucket_size (engine/ds_config.py)
 CPU_ADAM_PARAMS_PER_S = 1e9
+NCCL_BLOCKS = 24  # thread blocks an overlapped NCCL collective holds, each on an SM (module docstring)
 SIMULATE_UP_TO = 512  # pp * vpp * m: schedules the simulator runs; larger ones take its closed form
 
 
@@ -388,7 +395,9 @@ class StepModel:
             scatter = link.gather(P * self.system.reduce_bytes, n, buckets)
             forward_gather = link.gather(P * self.act, n, modules)
             per_micro = reduce if lay.zero_stage == 2 else scatter + forward_gather + backward_gather
-            exposed = m * max(0.0, per_micro - backward_s)
+            # while NCCL's blocks hold their SMs, the backward's kernels run on the rest (module docstring)
+            slowed = NCCL_BLOCKS / self.cluster.gpu.sms * min(per_micro, backward_s)
+            exposed = m * (max(0.0, per_micro - backward_s) + slowed)
         else:
             exposed = reduce
         partition = P / n if lay.zero_stage >= 1 else P

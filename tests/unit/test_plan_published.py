@@ -67,10 +67,10 @@ _OUT_OF_LINE = {("1b", 32), ("70b", 64)}
 def test_mosaic_a100_fsdp_rows_are_predicted_from_the_megatron_fit(run):
     """The same FSDP stack as the H100 rows, on the GPU whose rates were fitted elsewhere (Megatron-LM's runs):
     every A100-80GB row and every 7B-70B row within 15%, from 8 to 128 GPUs over node boundaries. The smaller
-    models (d_model 1536-2560, no recomputation) come out 4-21% fast: the A100's single rate has no per-call cost,
-    so it does not slow their shallower GEMMs; they are held to 22%."""
+    models (d_model 1536-2560, no recomputation) come out 3-17% fast: the A100's single rate has no per-call cost,
+    so it does not slow their shallower GEMMs; they are held to 18%."""
     r = fsdp_row(run)
-    tolerance = 0.15 if run.gpu == "a100-80gb" or MPT[run.model_name][2] >= 4096 else 0.22
+    tolerance = 0.15 if run.gpu == "a100-80gb" or MPT[run.model_name][2] >= 4096 else 0.18
     print(f"{r['gpu']} {r['model']} x{r['gpus']}: published {r['published']:,.0f}, predicted {r['predicted']:,.0f}")
     assert r["fits"], r
     assert abs(r["error"]) <= tolerance, r
@@ -79,7 +79,7 @@ def test_mosaic_a100_fsdp_rows_are_predicted_from_the_megatron_fit(run):
 def test_the_out_of_line_a100_rows_are_out_of_line_in_the_table_itself():
     """1B on 32 A100-40GB published 18% below its 16- and 64-GPU rows at the same micro-batch size and 70B on 64
     published 27% below its 128-GPU row (micro-batch 2 against 4; the planner finds both bound by compute, their
-    collectives hidden): the planner prices them like their neighbours (+38% and +36%), so they are left out of the
+    collectives hidden): the planner prices them like their neighbours (+36% and +30%), so they are left out of the
     15% check above."""
     rows = {(r.model_name, r.gpus): r.tokens_per_s_per_gpu for r in MOSAIC_A100 if r.gpu == "a100-40gb"}
     assert rows[("1b", 32)] < 0.85 * min(rows[("1b", 16)], rows[("1b", 64)])
@@ -114,3 +114,19 @@ def test_fsdp_prices_a_gather_each_way_and_a_reduce_scatter_per_block():
     assert deepspeed.dp_s > 0 and fsdp.dp_s > deepspeed.dp_s  # FSDP gathers all of it again for the backward
     assert fsdp.dp_s - deepspeed.dp_s == pytest.approx(run.accumulation * (per_block - per_module), rel=1e-9)
     assert fsdp.compute_s == deepspeed.compute_s
+
+
+@pytest.mark.parametrize("gpu", ["h100-sxm", "a100-80gb"])
+def test_overlapped_collectives_take_their_sms_from_the_backward(gpu):
+    """MPT-13B on 8 GPUs: FSDP's gathers and reduce-scatters hide behind the backward, but NCCL's 24 thread blocks
+    hold 24 SMs while they run, so the backward loses 24/132 (H100) or 24/108 (A100) of the overlapped time."""
+    from megatron_lite.plan import predict
+    from megatron_lite.plan.params import rank_params
+
+    run = next(r for r in MOSAIC_A100 + MOSAIC_H100 if (r.gpu, r.model_name, r.gpus) == (gpu, "13b", 8))
+    step = predict(run.model, run.layout, run.cluster, run.system).step
+    P, link, blocks = rank_params(run.model, 1, 1, 1, 0).numel, run.cluster.link(8, 1), MPT["13b"][0] + 1
+    per_micro = 2 * link.gather(P * 2, 8, blocks) + link.gather(P * run.system.reduce_bytes, 8, blocks)
+    sms = {"h100-sxm": 132, "a100-80gb": 108}[gpu]
+    assert per_micro < step.compute_s / run.accumulation / 2  # hidden: shorter than the backward alone
+    assert step.dp_s == pytest.approx(run.accumulation * 24 / sms * per_micro, rel=1e-12)
