@@ -114,7 +114,7 @@ class StepTime:
     cp_s: float  # exposed context-parallel communication there
     pp_s: float  # pipeline messages there
     bubble_s: float  # idle pipeline time
-    dp_s: float  # exposed data-parallel / ZeRO communication
+    dp_s: float  # exposed data-parallel / ZeRO communication, and the SMs its overlapped part takes from compute
     optimizer_s: float
     bubble: float  # the schedule's bubble as a share of ideal time
     casts_s: float = 0.0  # ZeRO-0 bf16: autocast's weight copies (once a step) and gradient copies (per micro-batch)
