@@ -50,8 +50,9 @@ def check_line(p: Prediction, cluster: Cluster) -> str:
     trust = f"its step time off by up to {100 * error:.0f}% on {cluster.gpu.name}" + (
         "" if measured else ", unvalidated"
     )
-    if p.layout.world_size > 1 and multi_gpu_caveat(cluster.gpu.name):
-        trust += f"; that error is one GPU's: {multi_gpu_caveat(cluster.gpu.name)}"
+    caveat = multi_gpu_caveat(cluster.gpu.name) if p.layout.world_size > 1 else ""
+    if caveat:
+        trust += f"; that error is one GPU's: {caveat}"
     if p.layout.fp8 != "none":  # plan/hardware.FP8_GEMM_ASSUMED
         trust += " in bf16; train.fp8's GEMM rate is assumed, not yet measured"
     return (
@@ -182,8 +183,9 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
             if close > 1
             else f"No other layout is within {100 * error:.0f}% of #1's step time ({basis})."
         )
-        if cluster.world_size > 1 and multi_gpu_caveat(cluster.gpu.name):
-            lines.append(f"That error is one GPU's: {multi_gpu_caveat(cluster.gpu.name)} (docs/performance.md).")
+        caveat = multi_gpu_caveat(cluster.gpu.name) if cluster.world_size > 1 else ""
+        if caveat:
+            lines.append(f"That error is one GPU's: {caveat} (docs/performance.md).")
     if not fitting:
         lines.append(
             f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "

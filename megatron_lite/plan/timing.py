@@ -383,13 +383,14 @@ class StepModel:
             # DeepSpeed 0.19: ZeRO-2 all-reduces each bucket, ZeRO-3 reduce-scatters (half the bytes) and gathers
             # the parameters for forward, and for backward what its live window released (tools/bench_comm.py
             # counts both); with hpZ the backward's gather is within its group, from the secondary shards
-            modules = 4 * self.cfg.n_layers // lay.pp + 2  # fetched modules of a pipeline rank: one gather each
-            regather = max(0, P - MAX_LIVE)
-            back_calls = -(-modules * regather // P) if regather else 0
-            buckets = -(-P // REDUCE_BUCKET)
-            if self.system.fsdp_units:
-                modules = back_calls = buckets = self.cfg.n_layers // lay.pp + 1  # the blocks and the root
+            if self.system.fsdp_units:  # the blocks and the root: each gathered both ways and reduced once
+                modules = back_calls = buckets = self.cfg.n_layers // lay.pp + 1
                 regather = P
+            else:
+                modules = 4 * self.cfg.n_layers // lay.pp + 2  # fetched modules of a pipeline rank: one gather each
+                regather = max(0, P - MAX_LIVE)
+                back_calls = -(-modules * regather // P) if regather else 0
+                buckets = -(-P // REDUCE_BUCKET)
             gather_link, gather_n = (self.hpz_link, lay.hpz) if lay.hpz > 1 else (link, n)
             backward_gather = gather_link.gather(regather * self.act, gather_n, back_calls)
             scatter = link.gather(P * self.system.reduce_bytes, n, buckets)
