@@ -26,7 +26,9 @@ WATCH = [
     "faults.straggler_ratio=1.5",
     f"faults.straggler_intervals={INTERVALS}",
 ]
-STOPPED_S = RUNNING_S = 0.05  # the slow rank's duty cycle: half its time stopped
+# The slow rank's duty cycle: 70% of its time stopped. Stopped half the time, its reports measured 1.47-2.2 against
+# the 1.5 threshold, and one report under it in third place put the naming 6 reports in, past the stated bound
+STOPPED_S, RUNNING_S = 0.07, 0.03
 
 
 def rank_pid(pids: list[int], rank: int) -> int:
