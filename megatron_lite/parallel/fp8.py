@@ -53,7 +53,8 @@ def _import_quietly() -> None:
             log.setLevel(level)
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast multiplies in on this device type, or None outside autocast."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
@@ -141,7 +142,7 @@ class _Float8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Float8Matmul, store, weights):
-        dtype = _autocast_dtype(x.device.type)  # as torchao's Float8Linear: the input in autocast's dtype
+        dtype = autocast_dtype(x.device.type)  # as torchao's Float8Linear: the input in autocast's dtype
         x = x.to(dtype) if dtype is not None else x
         ctx.save_for_backward(x, weight)
         ctx.fp8, ctx.has_bias, ctx.param_dtype = fp8, bias is not None, weight.dtype

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.parallel.fp8 import Float8Matmul
+from megatron_lite.parallel.fp8 import Float8Matmul, autocast_dtype
 from megatron_lite.parallel.fp8 import linear as fp8_linear
 
 Key = tuple[int, int]  # (micro-batch, chunk)
@@ -183,11 +183,6 @@ def active_store() -> WeightGradStore | None:
 def kept() -> bool:
     """Whether ops run now compute their weight gradients in B (inside kept_in_backward)."""
     return _kept
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast multiplies in on this device type, or None outside autocast."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 _copies: dict | None = None  # set by `one_copy_per_step`: weight's place and dtype -> (its version, copy, weight)
