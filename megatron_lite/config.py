@@ -282,7 +282,7 @@ class ClusterConfig:
     achievable: float | None = None
     """Fraction of the bf16 dense peak that GEMMs and attention sustain; null: the GPU class's measured rates
     (plan/hardware.py: on an H100, GEMMs 0.823 of peak plus 8 us a call, flash attention 0.285 plus 33 us; the
-    A100s 0.65, fitted to Megatron-LM's runs). A number overrides them (docs/performance.md 'Choosing a layout')."""
+    A100s 0.65, fitted to Megatron-LM's runs). A number overrides them (docs/planner.md)."""
     reserve_gib: float = 2.0
     """Memory per GPU that tensors cannot use: CUDA context, NCCL buffers, allocator fragmentation."""
 

@@ -7,7 +7,7 @@
 
 Everything here is a pure function of the configuration: no process group, no tensor, no GPU. The validation
 of its figures against measured memory (tests/distributed/test_plan_validation.py) and published throughput
-(plan/published.py, tests/unit/test_plan_published.py) is in docs/performance.md "Choosing a layout".
+(plan/published.py, tests/unit/test_plan_published.py) is in docs/planner.md.
 """
 
 from __future__ import annotations

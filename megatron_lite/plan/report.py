@@ -59,7 +59,7 @@ def check_line(p: Prediction, cluster: Cluster) -> str:
         f"layout: {layout_text(p)}; predicted peak {p.memory_bytes / GIB:.1f} GiB per GPU ({_where(p)}) of the "
         f"{p.usable_bytes / GIB:.1f} GiB each {cluster.gpu.name} leaves to tensors; step {p.step.total_s:.3g} s, "
         f"{p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {100 * p.mfu:.1f}% "
-        f"(predicted, {trust}: docs/performance.md 'Choosing a layout')"
+        f"(predicted, {trust}: docs/planner.md)"
     )
 
 
@@ -168,7 +168,7 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
         lines.append(f"      {' '.join(lay.overrides())}")
     lines.append(
         "cp 2u: Ulysses; zero 1o: optimizer offloaded to CPU. Memory and time are the planner's model "
-        "(docs/performance.md 'Choosing a layout')."
+        "(docs/planner.md)."
     )
     if fitting:
         basis = (
@@ -185,7 +185,7 @@ def plan_table(predictions: list[Prediction], top: int, cluster: Cluster) -> str
         )
         caveat = multi_gpu_caveat(cluster.gpu.name) if cluster.world_size > 1 else ""
         if caveat:
-            lines.append(f"That error is one GPU's: {caveat} (docs/performance.md).")
+            lines.append(f"That error is one GPU's: {caveat} (docs/planner.md).")
     if not fitting:
         lines.append(
             f"Nothing fits: the smallest needs {predictions[0].memory_bytes / GIB:.1f} GiB of the "

@@ -31,7 +31,7 @@ def test_each_gpu_class_takes_its_worst_measured_row_and_an_unmeasured_one_the_w
     for gpu in ("h100-sxm", "h200"):
         rows = [r for r in MEASURED if r.gpu == gpu]
         assert errors[gpu] == pytest.approx(max(abs(predicted_step_s(r) / r.step_s - 1) for r in rows))
-    # today's figures (docs/performance.md 'How far to trust it'): every row within 10% (the H200's, the
+    # today's figures (docs/planner.md 'How far to trust it'): every row within 10% (the H200's, the
     # out-of-sample GPU: the rates were measured on the H100) but gpt2-124m's compiled blocks on the H100 at +10.3%:
     # the planner prices the eager step and does not know train.compile
     assert all(abs(predicted_step_s(r) / r.step_s - 1) < 0.10 for r in MEASURED if "compile" not in r.side)
@@ -64,7 +64,7 @@ def test_plan_and_check_say_how_far_their_step_time_is_trusted(tmp_path):
         f"within {100 * error:.0f}% of #1's step time" in plan.stdout and f"rank the {close:,} layouts" in plan.stdout
     )
     # 8 GPUs: the H100's error is one GPU's, and MosaicML's published FSDP runs on 8-64 H100s say how far off more
-    assert f"That error is one GPU's: {multi_gpu_caveat('h100-sxm')} (docs/performance.md)" in plan.stdout
+    assert f"That error is one GPU's: {multi_gpu_caveat('h100-sxm')} (docs/planner.md)" in plan.stdout
     check = _train_py("--check", *base, "cluster.gpu=b200", "zero.stage=3", "train.micro_batch_size=1")
     assert check.returncode == 0, check.stderr[-2000:]
     worst = max(step_errors().values())
@@ -76,7 +76,7 @@ def test_plan_and_check_say_how_far_their_step_time_is_trusted(tmp_path):
 def test_only_the_a100s_error_covers_more_than_one_gpu():
     """The A100's error comes from published runs on 8-3,072 GPUs; the H100's and H200's from our one-GPU runs, and
     MosaicML's FSDP runs on 8-64 H100s took 30-73% longer than the planner predicts for them (today's figures,
-    docs/performance.md), so a layout on several of those GPUs is told so."""
+    docs/planner.md), so a layout on several of those GPUs is told so."""
     assert multi_gpu_caveat("a100-80gb") == multi_gpu_caveat("a100-40gb") == ""
     assert multi_gpu_caveat("h100-sxm").endswith("8-64 h100-sxms took 30-73% longer than predicted for their layouts")
     assert multi_gpu_caveat("h200") == "no run on several h200s has been held against the planner"

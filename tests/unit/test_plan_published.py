@@ -2,7 +2,7 @@
 predicted throughput per GPU is within 15% of what the paper measured (the target of issue 21), and the layout
 the planner picks for the same model, batch and cluster is at least as fast, by the planner's own pricing, as the
 paper's layout run by megatron_lite. The one constant fitted to these tables is cluster.achievable = 0.65
-(docs/performance.md 'Choosing a layout'); every other term (bubble, collectives, memory-bound work) is derived, and the error per row
+(docs/planner.md); every other term (bubble, collectives, memory-bound work) is derived, and the error per row
 is printed (-s) and kept in bench/results/plan_published.md."""
 
 import pytest
