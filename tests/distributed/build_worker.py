@@ -27,6 +27,7 @@ from megatron_lite.model.parallelize import parallelize
 from megatron_lite.parallel.context import ParallelContext, init_distributed
 from megatron_lite.pipeline.partition import rank_chunks
 from tests.distributed.rank_runner import leave_world
+from tests.utils.models import LLAMA_STYLE
 
 # vocab_multiple=48 pads the vocabulary to 1008 rows at tp=1 and to 1056 at tp=2, so the check against tp=1
 # also covers padding that depends on tp.
@@ -41,11 +42,7 @@ FLAVOURS = {
         vocab_size=1000,
         vocab_multiple=48,
         seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
+        **LLAMA_STYLE,
     ),
 }
 

@@ -36,6 +36,7 @@ from megatron_lite.pipeline.executor import PipelineExecutor
 from megatron_lite.pipeline.partition import rank_chunks
 from megatron_lite.pipeline.schedules import resolve_schedule
 from tests.distributed.tp_worker import worse, worst_over_ranks
+from tests.utils.models import LLAMA_STYLE
 
 FLAVOURS = {
     "gpt2-tied": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),
@@ -46,11 +47,7 @@ FLAVOURS = {
         ffn_hidden=48,
         vocab_size=300,
         seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
+        **LLAMA_STYLE,
     ),
 }
 TOL = 1e-6

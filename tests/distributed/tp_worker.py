@@ -19,6 +19,7 @@ from megatron_lite.model import fused_rows
 from megatron_lite.model.gpt import GPT
 from megatron_lite.model.parallelize import parallelize
 from megatron_lite.parallel.layers import shard_segments
+from tests.utils.models import LLAMA_STYLE
 
 FLAVOURS = {
     "gpt2": dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=16),
@@ -30,11 +31,7 @@ FLAVOURS = {
         ffn_hidden=96,
         vocab_size=1000,
         seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
+        **LLAMA_STYLE,
     ),
 }
 

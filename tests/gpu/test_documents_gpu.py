@@ -10,6 +10,7 @@ from megatron_lite.model import documents
 from megatron_lite.model.documents import DocumentMask, varlen_applies, varlen_attention
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel.context_parallel import document_mask
+from tests.utils.models import LLAMA_STYLE
 
 DEVICE = "cuda"
 
@@ -58,7 +59,7 @@ def test_the_model_takes_the_varlen_path_on_cuda(monkeypatch):
     masked-SDPA path's (the same model with the kernel switched off)."""
     cfg = ModelConfig(
         n_layers=2, n_heads=8, n_kv_heads=2, d_model=512, ffn_hidden=1024, vocab_size=1000, seq_len=256,
-        norm="rmsnorm", activation="swiglu", position="rope", bias=False, tie_embeddings=False,
+        **LLAMA_STYLE,
     )  # fmt: skip
     model = GPT(cfg, device=DEVICE).to(torch.bfloat16)
     windows = _windows(2, 256, [10, 90, 1, 60, 200]).to(DEVICE)

@@ -9,6 +9,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
+from tests.utils.models import LLAMA_STYLE
 
 FLAVOURS = {
     "gpt2": dict(n_layers=2, n_heads=6, d_model=384, vocab_size=5003, seq_len=256),
@@ -20,11 +21,7 @@ FLAVOURS = {
         ffn_hidden=1000,
         vocab_size=5003,
         seq_len=256,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
+        **LLAMA_STYLE,
     ),
 }
 # Relative error ||a - b|| / ||b|| per tensor: fp32 kernels only reorder reductions; in bf16 the fused code

@@ -5,6 +5,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.kernels import OPS, TRITON_FASTER_ON_CUDA, describe, resolve_backend
 from megatron_lite.model.gpt import GPT
+from tests.utils.models import LLAMA_STYLE
 
 LLAMA = dict(
     n_layers=2,
@@ -14,11 +15,7 @@ LLAMA = dict(
     ffn_hidden=96,
     vocab_size=500,
     seq_len=32,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    bias=False,
-    tie_embeddings=False,
+    **LLAMA_STYLE,
 )
 
 

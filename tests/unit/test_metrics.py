@@ -21,6 +21,7 @@ from megatron_lite.metrics.flops import (
 )
 from megatron_lite.metrics.logger import MetricsLogger, resolve_wandb_mode
 from megatron_lite.model.gpt import GPT, padded_vocab_size
+from tests.utils.models import LLAMA_STYLE
 from tests.utils.wandb_reader import read_wandb_history
 
 GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=500, seq_len=32)
@@ -28,11 +29,7 @@ LLAMA = dict(
     GPT2,
     n_kv_heads=2,
     ffn_hidden=96,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    bias=False,
-    tie_embeddings=False,
+    **LLAMA_STYLE,
 )
 
 

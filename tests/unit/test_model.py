@@ -9,17 +9,14 @@ import torch.nn.functional as F
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT, padded_vocab_size
 from megatron_lite.model.positions import apply_rope, rope_cos_sin
+from tests.utils.models import LLAMA_STYLE
 
 GPT2 = dict(n_layers=2, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
 LLAMA = dict(
     GPT2,
     n_kv_heads=2,
     ffn_hidden=96,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    bias=False,
-    tie_embeddings=False,
+    **LLAMA_STYLE,
 )
 
 

@@ -12,17 +12,14 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
 from megatron_lite.model.init import init_tensor, param_seed
 from megatron_lite.pipeline.partition import rank_chunks
+from tests.utils.models import LLAMA_STYLE
 
 GPT2 = dict(n_layers=4, n_heads=4, d_model=64, vocab_size=1000, seq_len=32)
 LLAMA = dict(
     GPT2,
     n_kv_heads=2,
     ffn_hidden=96,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    bias=False,
-    tie_embeddings=False,
+    **LLAMA_STYLE,
 )
 FLAVOURS = {"gpt2": GPT2, "llama": LLAMA}
 

@@ -32,6 +32,7 @@ from megatron_lite.plan.params import rank_params
 from megatron_lite.plan.schedule_memory import moments
 from megatron_lite.plan.search import fixes, layouts
 from megatron_lite.plan.timing import schedule_bubble
+from tests.utils.models import LLAMA_STYLE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT2 = dict(n_heads=4, d_model=64, vocab_size=500, seq_len=32)
@@ -39,11 +40,7 @@ LLAMA = dict(
     GPT2,
     n_kv_heads=2,
     ffn_hidden=96,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    tie_embeddings=False,
-    bias=False,
+    **LLAMA_STYLE,
 )
 
 

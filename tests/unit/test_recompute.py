@@ -10,6 +10,7 @@ import torch
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
+from tests.utils.models import LLAMA_STYLE
 
 FLAVOURS = {
     "gpt2": dict(n_layers=3, n_heads=4, d_model=64, vocab_size=300, seq_len=32, dropout=0.1),
@@ -21,11 +22,7 @@ FLAVOURS = {
         ffn_hidden=96,
         vocab_size=300,
         seq_len=32,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
+        **LLAMA_STYLE,
         dropout=0.1,
     ),
 }

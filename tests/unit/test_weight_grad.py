@@ -14,6 +14,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
 from megatron_lite.parallel import weight_grad
 from megatron_lite.pipeline.executor import PipelineExecutor
+from tests.utils.models import LLAMA_STYLE
 
 FLAVOURS = {
     "gpt2": dict(n_heads=4, d_model=32, vocab_size=300, seq_len=16),
@@ -24,11 +25,7 @@ FLAVOURS = {
         ffn_hidden=48,
         vocab_size=300,
         seq_len=16,
-        norm="rmsnorm",
-        activation="swiglu",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
+        **LLAMA_STYLE,
     ),
 }
 
