@@ -123,11 +123,12 @@ class Link:
     bandwidth: float
     latency: float
 
-    def all_reduce(self, nbytes: float, n: int) -> float:
+    def all_reduce(self, nbytes: float, n: int, calls: int = 1) -> float:
+        """all-reduce of nbytes in all, in `calls` collectives (each pays the latency of its ring or tree)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        ring = 2 * (n - 1) / n * nbytes / self.bandwidth + 2 * (n - 1) * self.latency
-        tree = 2 * nbytes / self.bandwidth + 2 * math.log2(n) * self.latency
+        ring = 2 * (n - 1) / n * nbytes / self.bandwidth + calls * 2 * (n - 1) * self.latency
+        tree = 2 * nbytes / self.bandwidth + calls * 2 * math.log2(n) * self.latency
         return min(ring, tree)
 
     def gather(self, nbytes: float, n: int, calls: int = 1) -> float:

@@ -33,6 +33,7 @@ MEGATRON_2021 = System(
     regather_sp=False,
     pp_scatter_gather=True,
     gathers_params=False,
+    reduce_buckets=False,
 )
 # 2022 adds sequence parallelism, whose backward all-gather Megatron overlaps with the weight-gradient GEMM
 MEGATRON_2022 = replace(MEGATRON_2021, name="Megatron-LM 2022")

@@ -18,22 +18,23 @@ Assumptions, each a choice a reader can disagree with:
   - Pipeline messages (one per forward and per backward of a chunk) are not overlapped (the executor waits).
     The bubble is the schedule simulator's, applied to the mean rank; the slowest rank (embedding or head) sets
     the rest.
-  - Data parallelism: ZeRO-0 and ZeRO-1 all-reduce fp32 gradients once after the last micro-batch (exposed);
-    ZeRO-2 all-reduces every micro-batch's gradients during its backward, ZeRO-3 reduce-scatters them and gathers
-    bf16 parameters before each forward and backward: overlapped with that micro-batch's compute (DeepSpeed's
-    overlap_comm), exposed only where the collective is longer. Overlap is not free: while NCCL's kernel runs, its
-    24 thread blocks hold 24 of the GPU's SMs (an all-gather beside a GEMM on an H100, NVIDIA developer forums,
-    "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect", 2025), and
-    the backward runs on the rest: 24/132 of the overlapped time is added on an H100, 24/108 on an A100. (That
-    post's GEMM, one wave of 132 blocks, went from 80% to 47% of peak, the worst case; a GEMM of many waves loses
-    the SMs' share.) ZeRO 1-3 all-gather the updated bf16 parameters
-    after the step (the volumes tools/bench_comm.py measured). ZeRO-3 as DeepSpeed 0.19 runs it at its defaults:
-    one all-gather per fetched module (a layer's 4 linears, the embedding and the head) each forward, and in backward
-    again only for what its 1e9-element live window (stage3_max_live_parameters, max_reuse_distance) released, the
-    parameters past 1e9 (measured on CPU: one gather a step below it, as plan/states.py prices the memory); one
-    reduce-scatter per 5e7-element reduce bucket; each collective pays the ring's latency. PyTorch FSDP wrapping each
-    block (System.fsdp_units: the published FSDP runs) gathers a block for its forward and again for its backward
-    and reduce-scatters its gradients, one collective each.
+  - Data parallelism: ZeRO-0 and ZeRO-1 all-reduce fp32 gradients once after the last micro-batch (exposed), in
+    DeepSpeed's buckets, each a collective paying its latency (5e7 elements for ZeRO's optimizers, 5e8 for ZeRO-0's
+    and BF16_Optimizer's fallback: StepModel._reduce_calls); ZeRO-2 all-reduces every micro-batch's gradients during
+    its backward, ZeRO-3 reduce-scatters them and gathers bf16 parameters before each forward and backward:
+    overlapped with that micro-batch's compute (DeepSpeed's overlap_comm), exposed only where the collective is
+    longer. Overlap is not free: while NCCL's kernel runs, its 24 thread blocks hold 24 of the GPU's SMs (an
+    all-gather beside a GEMM on an H100, NVIDIA developer forums, "Compute-Communication Overlap Causes Severe GEMM
+    Performance Degradation because of Tail Effect", 2025), and the backward runs on the rest: 24/132 of the
+    overlapped time is added on an H100, 24/108 on an A100. (That post's GEMM, one wave of 132 blocks, went from 80%
+    to 47% of peak, the worst case; a GEMM of many waves loses the SMs' share.) ZeRO 1-3 all-gather the updated bf16
+    parameters after the step (the volumes tools/bench_comm.py measured). ZeRO-3 as DeepSpeed 0.19 runs it at its
+    defaults: one all-gather per fetched module (a layer's 4 linears, the embedding and the head) each forward, and
+    in backward again only for what its 1e9-element live window (stage3_max_live_parameters, max_reuse_distance)
+    released, the parameters past 1e9 (measured on CPU: one gather a step below it, as plan/states.py prices the
+    memory); one reduce-scatter per 5e7-element reduce bucket; each collective pays the ring's latency. PyTorch FSDP
+    wrapping each block (System.fsdp_units: the published FSDP runs) gathers a block for its forward and again for
+    its backward and reduce-scatters its gradients, one collective each.
   - The optimizer step is HBM-bound: AdamW reads gradient, master weight and two moments and writes three of
     them plus the bf16 copy where there is one (28 or 30 bytes per parameter of the local partition), at 0.78 of the
     bandwidth for this trainer; ZeRO-0 adds its gradient-norm pass (4 bytes), and in bf16 autocast's weight and
@@ -71,6 +72,7 @@ from megatron_lite.plan.states import MAX_LIVE
 
 PCIE_BPS = 25e9
 REDUCE_BUCKET = 50_000_000  # elements: ZeRO's reduce_bucket_size (engine/ds_config.py)
+ALLREDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's buffered_allreduce_fallback (ZeRO-0, BF16_Optimizer's ZeRO-1)
 CPU_ADAM_PARAMS_PER_S = 1e9
 NCCL_BLOCKS = 24  # thread blocks an overlapped NCCL collective holds, each on an SM (module docstring)
 SIMULATE_UP_TO = 512  # pp * vpp * m: schedules the simulator runs; larger ones take its closed form
@@ -90,6 +92,9 @@ class System:
     fsdp_units: bool = False  # ZeRO-3 as PyTorch FSDP FULL_SHARD wrapping each block: per block, a gather in forward,
     # another in backward and a reduce-scatter (DeepSpeed's: per module, a live window, 5e7-element buckets)
     gathers_params: bool = True  # ZeRO 1-3 all-gather the updated parameters after the step
+    reduce_buckets: bool = True  # DP gradients reduced bucket by bucket, each a collective paying its latency
+    # (DeepSpeed's sizes: reduce_bucket_size for ZeRO's optimizers, 5e8 elements for ZeRO-0 and BF16_Optimizer);
+    # False: one collective over a contiguous buffer (Megatron-LM's local DDP of 2021-22)
     # Shares of the HBM bandwidth the memory-bound work reaches, and the passes only this trainer makes; measured on
     # one H100 (bench/results/gpu_h100_80gb_hbm3.md "Where gpt-1.3b's step goes", ours-auto at 4 x 2048); the
     # published systems keep 1.0 and none, as their throughput was fitted with (plan/published.py)
@@ -371,12 +376,22 @@ class StepModel:
 
     # --- data parallelism and the optimizer ---
 
+    def _reduce_calls(self, params: int) -> int:
+        """How many all-reduce collectives the DP gradient reduction of `params` parameters makes: DeepSpeed's ZeRO
+        optimizers reduce reduce_bucket_size elements at a time; its engine's fallback, which ZeRO-0 (Engine.step)
+        and bf16 ZeRO-1's BF16_Optimizer go through, 5e8 (DeepSpeed 0.19, engine.allreduce_gradients)."""
+        if not self.system.reduce_buckets:
+            return 1
+        lay = self.lay
+        fallback = lay.zero_stage == 0 or (lay.zero_stage, lay.precision) == (1, "bf16")
+        return -(-params // (ALLREDUCE_BUCKET if fallback else REDUCE_BUCKET))
+
     def _dp_and_optimizer(self, params_per_rank: int, backward_s: float) -> tuple[float, float]:
         """(exposed DP/ZeRO communication, optimizer step) seconds per step for `params_per_rank` parameters."""
         lay, n, link = self.lay, self.lay.zero_partitions, self.dp_link
         m = lay.accumulation
         P = params_per_rank
-        reduce = link.all_reduce(P * self.system.reduce_bytes, n)
+        reduce = link.all_reduce(P * self.system.reduce_bytes, n, self._reduce_calls(P))
         # ZeRO 1-2 all-gather the updated partitions after the step; ZeRO-3 gathers in forward and backward instead
         gather = link.gather(P * self.act, n) if lay.zero_stage in (1, 2) and self.system.gathers_params else 0.0
         if lay.zero_stage in self.system.dp_overlap_stages:
