@@ -376,14 +376,19 @@ class StepModel:
 
     # --- data parallelism and the optimizer ---
 
+    @property
+    def _bf16_optimizer(self) -> bool:
+        """Whether DeepSpeed runs the layout's optimizer as BF16_Optimizer (bf16 ZeRO-1), which keeps whole fp32
+        gradients and reduces them through the engine's fallback (module docstring)."""
+        return (self.lay.zero_stage, self.lay.precision) == (1, "bf16")
+
     def _reduce_calls(self, params: int) -> int:
         """How many all-reduce collectives the DP gradient reduction of `params` parameters makes: DeepSpeed's ZeRO
         optimizers reduce reduce_bucket_size elements at a time; its engine's fallback, which ZeRO-0 (Engine.step)
         and bf16 ZeRO-1's BF16_Optimizer go through, 5e8 (DeepSpeed 0.19, engine.allreduce_gradients)."""
         if not self.system.reduce_buckets:
             return 1
-        lay = self.lay
-        fallback = lay.zero_stage == 0 or (lay.zero_stage, lay.precision) == (1, "bf16")
+        fallback = self.lay.zero_stage == 0 or self._bf16_optimizer
         return -(-params // (ALLREDUCE_BUCKET if fallback else REDUCE_BUCKET))
 
     def _dp_and_optimizer(self, params_per_rank: int, backward_s: float) -> tuple[float, float]:
@@ -418,7 +423,7 @@ class StepModel:
             exposed = reduce
         partition = P / n if lay.zero_stage >= 1 else P
         if lay.replicas > 1:  # hybrid sharding: the replicas average each rank's fp32 partition once, before the step
-            averaged = P if (lay.zero_stage, lay.precision) == (1, "bf16") else partition  # BF16_Optimizer: whole
+            averaged = P if self._bf16_optimizer else partition  # BF16_Optimizer: whole
             exposed += self.replica_link.all_reduce(averaged * 4, lay.replicas)
         if lay.offload_optimizer != "none":
             optimizer = partition / CPU_ADAM_PARAMS_PER_S + partition * (4 + self.act) / PCIE_BPS
@@ -426,7 +431,7 @@ class StepModel:
             optimizer = partition * (28 + (2 if lay.bf16_states else 0)) / self.hbm_optimizer
         if lay.zero_stage == 0 and self.system.autocast_passes:  # Engine._reduced_grad_norm reads every gradient
             optimizer += P * 4 / self.hbm_optimizer
-        if (lay.zero_stage, lay.precision) == (1, "bf16") and self.system.bf16_optimizer_passes:
+        if self._bf16_optimizer and self.system.bf16_optimizer_passes:
             # DeepSpeed's BF16_Optimizer on its whole fp32 gradients: accumulate (per micro-batch), norm, clip, zero
             optimizer += (P * (20 * m + 4 + 8 + 6) + partition * 4) / self.hbm_optimizer
         return exposed + gather, optimizer
